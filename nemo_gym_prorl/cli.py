@@ -1,0 +1,105 @@
+"""`prorl`: rollout | bench.
+
+Configuration is composed by Hydra from `conf/` (groups `task/`, `model/`, `sandbox/`) plus `key=value`
+overrides. Any problem with what the user asked for stops the command at once with one line naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import ValidationError
+
+from nemo_gym_prorl.envs.task import TaskConfigError, load_task
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+USAGE = """usage: prorl COMMAND [key=value ...]
+
+commands:
+  rollout   run rollouts with the configured task, model and sandbox, e.g.
+            prorl rollout task=math model=local sandbox=bwrap n_samples=4 limit=8 output=rollouts.jsonl
+  bench     benchmarks: prorl bench model
+"""
+
+
+class UsageError(Exception):
+    """What the user asked for cannot be run; the message is the one line shown."""
+
+
+def compose_config(overrides: list[str], config_name: str = "config") -> dict:
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=overrides)
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except (HydraException, OmegaConfBaseException) as e:
+        raise UsageError(_first_line_of_hydra_error(str(e))) from None
+
+
+def _first_line_of_hydra_error(message: str) -> str:
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if lines and lines[0].startswith("In 'config': Could not find"):
+        lines = lines[1:] or lines
+    if lines and lines[0].startswith("Could not find '") and len(lines) > 1:
+        group = lines[0].split("'")[1].split("/")[0]
+        name = lines[0].split("'")[1].split("/", 1)[-1]
+        options = ", ".join(lines[2:]) if len(lines) > 2 else ""
+        return f"unknown {group} {name!r}" + (f"; known: {options}" if options else "")
+    return " ".join(lines[:2])
+
+
+def _validation_line(error: ValidationError) -> str:
+    first = error.errors()[0]
+    field = ".".join(str(p) for p in first["loc"])
+    return f"invalid {field}={first.get('input')!r}: {first['msg']}"
+
+
+def rollout_command(overrides: list[str]) -> None:
+    from nemo_gym_prorl.service.job import RolloutJobConfig, run_job
+    from nemo_gym_prorl.service.report import RolloutReport
+
+    try:
+        config = RolloutJobConfig.model_validate(compose_config(overrides))
+    except ValidationError as e:
+        raise UsageError(_validation_line(e)) from None
+    task = load_task(config.task.name)  # fail on a bad task file before starting anything
+    report = RolloutReport(config.output, task.name)
+    with report:
+        asyncio.run(run_job(config, report))
+    report.print_summary()
+
+
+def bench_command(args: list[str]) -> None:
+    from nemo_gym_prorl.bench import run_benchmark
+
+    if not args:
+        raise UsageError("bench needs a benchmark name: model")
+    run_benchmark(args[0], args[1:])
+
+
+COMMANDS = {"rollout": rollout_command, "bench": bench_command}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return
+    command = COMMANDS.get(argv[0])
+    try:
+        if command is None:
+            raise UsageError(f"unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}")
+        command(argv[1:])
+    except (UsageError, TaskConfigError, FileNotFoundError) as e:
+        print(f"prorl: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""Task environments, by task type."""
+
+from __future__ import annotations
+
+from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation
+from nemo_gym_prorl.envs.math import MathEnvironment
+from nemo_gym_prorl.envs.task import TaskConfig
+
+_TYPES: dict[str, type[Environment]] = {"math": MathEnvironment}
+
+
+def make_environment(task: TaskConfig, sandbox_backend: str) -> Environment:
+    return _TYPES[task.type](task, sandbox_backend)
+
+
+__all__ = ["Environment", "Episode", "Evaluation", "make_environment"]

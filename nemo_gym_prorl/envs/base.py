@@ -1,0 +1,88 @@
+"""The environment contract: one base every task type implements.
+
+An environment turns a task instance into a staged sandbox (`init`), offers the tools the agent may call
+(`call_tool`), and grades what the agent left behind (`eval`). Concrete task types only say what differs:
+how to stage an instance (`stage`) and how to grade it (`grade`). The agent loop never knows which type it runs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from nemo_gym_prorl.envs.dataset import TaskInstance
+from nemo_gym_prorl.envs.task import TaskConfig
+from nemo_gym_prorl.sandbox import Sandbox, SandboxSpec, open_sandbox
+from nemo_gym_prorl.tool_calls import ToolCall
+from nemo_gym_prorl.tools import ToolOutput, make_tools
+
+
+class Evaluation(BaseModel):
+    """A grade, and the diagnostics that explain it."""
+
+    reward: float
+    resolved: bool
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+@dataclass
+class Episode:
+    """One rollout's live state inside an environment."""
+
+    instance: TaskInstance
+    sandbox: Sandbox
+    answer: str | None = None
+
+
+class Environment(ABC):
+    def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap") -> None:
+        self.task = task
+        self.sandbox_backend = sandbox_backend
+        self.tools = make_tools(task.tools, task.tool_timeout_s)
+
+    def prompt_messages(self, instance: TaskInstance) -> list[dict[str, Any]]:
+        """The first prompt; the same for every sample of an instance (GRPO groups need that)."""
+        try:
+            user = self.task.prompt_template.format(**instance.data)
+        except KeyError as e:
+            raise ValueError(f"task {self.task.name!r}: prompt_template needs column {e} missing from the row") from None
+        system = [{"role": "system", "content": self.task.system_prompt}] if self.task.system_prompt else []
+        return [*system, {"role": "user", "content": user}]
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return [tool.schema() for tool in self.tools.values()]
+
+    async def init(self, instance: TaskInstance) -> Episode:
+        sandbox = open_sandbox(self.sandbox_backend, SandboxSpec(limits=self.task.limits))
+        try:
+            await sandbox.start()
+            episode = Episode(instance=instance, sandbox=sandbox)
+            await self.stage(episode)
+        except BaseException:
+            await sandbox.close()
+            raise
+        return episode
+
+    async def call_tool(self, episode: Episode, call: ToolCall) -> ToolOutput:
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return ToolOutput(text=f"unknown tool {call.name!r}; available: {', '.join(self.tools)}")
+        output = await tool(episode.sandbox, call.arguments)
+        if output.finished:
+            episode.answer = output.answer
+        return output
+
+    async def eval(self, episode: Episode) -> Evaluation:
+        return await self.grade(episode)
+
+    async def close(self, episode: Episode) -> None:
+        await episode.sandbox.close()
+
+    async def stage(self, episode: Episode) -> None:
+        """Put what the task needs into the fresh sandbox. Nothing by default."""
+
+    @abstractmethod
+    async def grade(self, episode: Episode) -> Evaluation: ...

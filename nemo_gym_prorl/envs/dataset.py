@@ -1,0 +1,33 @@
+"""Task instances from any local JSONL or parquet file, read through Hugging Face `datasets`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import datasets
+from pydantic import BaseModel
+
+from nemo_gym_prorl.envs.task import DatasetConfig
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class TaskInstance(BaseModel):
+    instance_id: str
+    data: dict[str, Any]
+
+
+def load_instances(config: DatasetConfig, limit: int | None = None) -> list[TaskInstance]:
+    path = Path(config.path)
+    builder = _BUILDERS.get(path.suffix)
+    if builder is None:
+        raise ValueError(f"dataset {path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
+    datasets.disable_progress_bars()
+    rows = datasets.load_dataset(builder, data_files=str(path), split="train")
+    if limit is not None:
+        rows = rows.select(range(min(limit, len(rows))))
+    return [
+        TaskInstance(instance_id=str(row[config.id_key]) if config.id_key else str(i), data=dict(row))
+        for i, row in enumerate(rows)
+    ]

@@ -1,0 +1,40 @@
+"""Math: the problem is staged in the workspace; the answer is graded with math-verify."""
+
+from __future__ import annotations
+
+from math_verify import parse, verify
+
+from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation
+
+
+def grade_answer(answer: str | None, expected: str) -> Evaluation:
+    """Right, wrong or unparseable, with the parses that decided it."""
+    if answer is None or not answer.strip():
+        return Evaluation(reward=0.0, resolved=False, details={"reason": "no answer submitted"})
+    gold = parse(expected if "$" in expected or "\\" in expected else f"${expected}$")
+    if not gold:
+        raise ValueError(f"expected answer {expected!r} is not parseable by math-verify")
+    predicted = parse(answer)
+    if not predicted:
+        return Evaluation(reward=0.0, resolved=False, details={"reason": "unparseable answer", "answer": answer})
+    correct = verify(gold, predicted)
+    return Evaluation(
+        reward=1.0 if correct else 0.0,
+        resolved=correct,
+        details={
+            "reason": "correct" if correct else "wrong answer",
+            "answer": answer,
+            "parsed_answer": str(predicted[-1]),
+            "expected": expected,
+        },
+    )
+
+
+class MathEnvironment(Environment):
+    async def stage(self, episode: Episode) -> None:
+        problem = self.prompt_messages(episode.instance)[-1]["content"]
+        await episode.sandbox.write_file("problem.txt", problem.encode())
+
+    async def grade(self, episode: Episode) -> Evaluation:
+        expected = str(episode.instance.data[self.task.verifier.get("answer_key", "answer")])
+        return grade_answer(episode.answer, expected)

@@ -1,0 +1,77 @@
+"""Task configs: a YAML under `tasks/` names a task type, its dataset, prompt, tools and limits — no code.
+
+Loading fails fast with one line that names the file and what is wrong in it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError
+
+from nemo_gym_prorl.sandbox.base import SandboxLimits
+from nemo_gym_prorl.tool_calls import ToolCallFormatName
+
+TASKS_DIR = Path(__file__).resolve().parents[2] / "tasks"
+
+
+class TaskConfigError(ValueError):
+    """A task YAML that cannot be used; the message names the file and the problem."""
+
+
+class DatasetConfig(BaseModel):
+    path: Path = Field(description="JSONL or parquet file; relative paths are relative to the task YAML")
+    id_key: str | None = Field(None, description="column holding the instance id; the row index when unset")
+
+
+class TaskConfig(BaseModel):
+    name: str
+    type: Literal["math"]
+    dataset: DatasetConfig
+    system_prompt: str = ""
+    prompt_template: str = Field(description="str.format template over the dataset row's columns")
+    tools: list[str]
+    tool_call_format: ToolCallFormatName | None = Field(None, description="overrides the model's default")
+    max_turns: int = Field(8, ge=1)
+    tool_timeout_s: float = Field(30.0, gt=0)
+    limits: SandboxLimits = Field(default_factory=SandboxLimits)
+    verifier: dict[str, Any] = Field(default_factory=dict, description="settings of the task type's grader")
+
+
+def task_path(name: str, tasks_dir: Path = TASKS_DIR) -> Path:
+    """`math/arithmetic` -> tasks/math/arithmetic.yaml; a path to a YAML is taken as is."""
+    candidate = Path(name)
+    if candidate.suffix in (".yaml", ".yml"):
+        return candidate
+    return tasks_dir / f"{name}.yaml"
+
+
+def known_tasks(tasks_dir: Path = TASKS_DIR) -> list[str]:
+    return sorted(str(p.relative_to(tasks_dir).with_suffix("")) for p in tasks_dir.rglob("*.yaml"))
+
+
+def load_task(name: str, tasks_dir: Path = TASKS_DIR) -> TaskConfig:
+    path = task_path(name, tasks_dir)
+    if not path.is_file():
+        raise TaskConfigError(f"unknown task {name!r}: no {path}; known tasks: {', '.join(known_tasks(tasks_dir))}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise TaskConfigError(f"task file {path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(raw, dict):
+        raise TaskConfigError(f"task file {path} must hold a mapping, got {type(raw).__name__}")
+    try:
+        task = TaskConfig.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise TaskConfigError(f"task file {path}: field {field!r}: {first['msg']}") from None
+    if not task.dataset.path.is_absolute():
+        task.dataset.path = (path.parent / task.dataset.path).resolve()
+    if not task.dataset.path.is_file():
+        raise TaskConfigError(f"task {task.name!r}: dataset file {task.dataset.path} does not exist")
+    return task

@@ -1,0 +1,238 @@
+"""The embedded OpenAI-compatible model server (llama.cpp), token-faithful the way vLLM and NeMo RL's server are.
+
+Token information, by what the request asks for:
+- ``logprobs`` + ``return_tokens_as_token_ids`` (chat): ``prompt_token_ids``, ``generation_token_ids`` and
+  ``generation_log_probs`` on ``choices[0].message`` (NeMo RL's server), and ``token_id:N`` token strings.
+- ``return_token_ids``: top-level ``prompt_token_ids`` and ``choices[0].token_ids`` (vLLM).
+- Earlier assistant messages that carry their ``prompt_token_ids`` + ``generation_token_ids`` are spliced back as
+  the exact prefix of the new prompt (NeMo RL's ``required_prefix_token_ids``), so a multi-turn conversation's
+  tokens never drift from what the model really saw and produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from nemo_gym_prorl.models.engine import ContextLengthError, EnginePool, Generation, LlamaEngine
+from nemo_gym_prorl.models.local_model import default_gguf
+from nemo_gym_prorl.models.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
+from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.tool_calls import parse_hermes
+
+READY_LINE = "PRORL_MODEL_SERVER_READY"
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, request: ChatCompletionRequest) -> list[int]:
+    """The prompt for a chat request, splicing in the exact ids of the last assistant turn that carries them."""
+    template = tokenizer.chat_template
+    messages = request.messages
+    for k in range(len(messages) - 1, -1, -1):
+        message = messages[k]
+        if message.get("role") == "assistant" and message.get("generation_token_ids") is not None:
+            if message.get("prompt_token_ids") is None:
+                raise ValueError(f"messages[{k}] has generation_token_ids but no prompt_token_ids")
+            generated = list(message["generation_token_ids"])
+            prefix = list(message["prompt_token_ids"]) + generated
+            ended = bool(generated) and tokenizer.is_end_of_generation(generated[-1])
+            rest = template.continuation_text(messages[: k + 1], messages[k + 1 :], request.tools, ended)
+            return prefix + tokenizer.encode(rest)
+    return tokenizer.encode(template.render(messages, request.tools, add_generation_prompt=True))
+
+
+def _token_label(tokenizer: Tokenizer, token_id: int, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else tokenizer.piece(token_id)
+
+
+def _chat_logprobs(tokenizer: Tokenizer, gen: Generation, as_ids: bool) -> dict[str, Any]:
+    content = []
+    for token_id, logprob, top in zip(gen.token_ids, gen.log_probs, gen.top_logprobs):
+        label = _token_label(tokenizer, token_id, as_ids)
+        content.append(
+            {
+                "token": label,
+                "logprob": logprob,
+                "bytes": list(tokenizer.piece(token_id).encode()),
+                "top_logprobs": [
+                    {"token": _token_label(tokenizer, t, as_ids), "logprob": lp, "bytes": list(tokenizer.piece(t).encode())}
+                    for t, lp in top
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _usage(gen: Generation) -> dict[str, int]:
+    return {
+        "prompt_tokens": len(gen.prompt_token_ids),
+        "completion_tokens": len(gen.token_ids),
+        "total_tokens": len(gen.prompt_token_ids) + len(gen.token_ids),
+    }
+
+
+def create_app(pool: EnginePool, served_model_name: str) -> FastAPI:
+    tokenizer = pool.tokenizer
+    app = FastAPI(title="nemo-gym-prorl local model server")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"] if p != "body")
+        return JSONResponse(error_body(f"invalid field {field!r}: {first['msg']}", 400, field), status_code=400)
+
+    @app.exception_handler(ContextLengthError)
+    async def _too_long(_: Request, exc: ContextLengthError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), 400, "messages"), status_code=400)
+
+    @app.exception_handler(ValueError)
+    async def _bad_value(_: Request, exc: ValueError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), 400), status_code=400)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "nemo-gym-prorl",
+                    "max_model_len": pool.n_ctx,
+                }
+            ],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest) -> dict[str, Any]:
+        top = (request.top_logprobs or 0) if request.logprobs else 0
+        gen = await pool.generate(chat_prompt_ids(tokenizer, request), request.sampling_params(top))
+        message: dict[str, Any] = {"role": "assistant", "content": gen.text}
+        finish_reason = gen.finish_reason
+        if request.tools and request.tool_choice != "none":
+            parsed = parse_hermes(gen.text)
+            if parsed.tool_calls:
+                message["content"] = parsed.content or None
+                message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+        if request.logprobs:
+            choice["logprobs"] = _chat_logprobs(tokenizer, gen, request.return_tokens_as_token_ids)
+            if request.return_tokens_as_token_ids:
+                message["prompt_token_ids"] = gen.prompt_token_ids
+                message["generation_token_ids"] = gen.token_ids
+                message["generation_log_probs"] = gen.log_probs
+        body: dict[str, Any] = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": served_model_name,
+            "choices": [choice],
+            "usage": _usage(gen),
+        }
+        if request.return_token_ids:
+            body["prompt_token_ids"] = gen.prompt_token_ids
+            choice["token_ids"] = gen.token_ids
+        return body
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest) -> dict[str, Any]:
+        prompt = request.prompt if isinstance(request.prompt, list) else tokenizer.encode(request.prompt, add_bos=True)
+        top = request.logprobs or 0
+        gen = await pool.generate(list(prompt), request.sampling_params(top))
+        choice: dict[str, Any] = {"index": 0, "text": gen.text, "finish_reason": gen.finish_reason, "logprobs": None}
+        if request.logprobs is not None:
+            as_ids = request.return_tokens_as_token_ids
+            choice["logprobs"] = {
+                "tokens": [_token_label(tokenizer, t, as_ids) for t in gen.token_ids],
+                "token_logprobs": gen.log_probs,
+                "top_logprobs": [{_token_label(tokenizer, t, as_ids): lp for t, lp in top} for top in gen.top_logprobs],
+                "text_offset": [],
+            }
+        body: dict[str, Any] = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": served_model_name,
+            "choices": [choice],
+            "usage": _usage(gen),
+        }
+        if request.return_token_ids:
+            choice["prompt_token_ids"] = gen.prompt_token_ids
+            choice["token_ids"] = gen.token_ids
+            body["prompt_token_ids"] = gen.prompt_token_ids
+        return body
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
+        if request.messages is not None:
+            text = tokenizer.chat_template.render(request.messages, request.tools, request.add_generation_prompt)
+            tokens = tokenizer.encode(text, add_bos=bool(request.add_special_tokens))
+        else:
+            add = request.add_special_tokens if request.add_special_tokens is not None else True
+            tokens = tokenizer.encode(request.prompt or "", add_bos=add)
+        return {"count": len(tokens), "max_model_len": pool.n_ctx, "tokens": tokens, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict[str, str]:
+        return {"prompt": tokenizer.decode(request.tokens)}
+
+    return app
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="OpenAI-compatible llama.cpp server with exact token ids")
+    parser.add_argument("--gguf", type=Path, default=None, help="model file; default: SmolLM2-135M-Instruct")
+    parser.add_argument("--served-model-name", default="smollm2-135m-instruct")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--n-ctx", type=int, default=8192)
+    parser.add_argument("--n-threads", type=int, default=None)
+    parser.add_argument("--n-engines", type=int, default=1, help="llama.cpp contexts serving requests in parallel")
+    parser.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve until killed; prints ``PRORL_MODEL_SERVER_READY <port>`` once requests are accepted."""
+    args = _parse_args(argv)
+    gguf = args.gguf or default_gguf()
+    engines = [
+        LlamaEngine(gguf, n_ctx=args.n_ctx, n_threads=args.n_threads, logprobs_mode=args.logprobs_mode)
+        for _ in range(args.n_engines)
+    ]
+    sock = socket.create_server((args.host, args.port))
+    port = sock.getsockname()[1]
+
+    @asynccontextmanager
+    async def announce(_: FastAPI):
+        print(f"{READY_LINE} {port}", flush=True)
+        yield
+
+    app = create_app(EnginePool(engines), args.served_model_name)
+    app.router.lifespan_context = announce
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

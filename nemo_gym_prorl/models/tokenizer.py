@@ -1,0 +1,48 @@
+"""A model's vocabulary and chat template, read from its GGUF file (no weights needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import llama_cpp
+
+from nemo_gym_prorl.models.chat_template import ChatTemplate
+
+
+class Tokenizer:
+    def __init__(self, llama: llama_cpp.Llama) -> None:
+        self._llama = llama
+        self._model = llama._model
+        self.vocab_size = llama.n_vocab()
+        metadata = llama.metadata
+        template = metadata.get("tokenizer.chat_template")
+        if not template:
+            raise ValueError(f"{llama.model_path}: the GGUF carries no chat template (tokenizer.chat_template)")
+        self.bos_token_id = llama.token_bos()
+        self.eos_token_id = llama.token_eos()
+        self.chat_template = ChatTemplate(
+            template,
+            bos_token=self._token_text(self.bos_token_id),
+            eos_token=self._token_text(self.eos_token_id),
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        return cls(llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False))
+
+    def _token_text(self, token_id: int) -> str:
+        return self._model.token_get_text(token_id) if token_id >= 0 else ""
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in it (``<|im_start|>``) become their ids."""
+        return self._model.tokenize(text.encode(), add_bos, True) if text else []
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of generated ids, without special tokens (as vLLM's skip_special_tokens)."""
+        return self._model.detokenize(token_ids, special=False).decode("utf-8", errors="replace")
+
+    def piece(self, token_id: int) -> str:
+        return self._model.token_to_piece(token_id, special=True).rstrip(b"\0").decode("utf-8", errors="replace")
+
+    def is_end_of_generation(self, token_id: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token_id))

@@ -1,0 +1,1 @@
+"""The orchestrator side: agent loop, trajectories, rollouts."""

@@ -1,0 +1,88 @@
+"""What a rollout run shows and keeps: one JSON line per trajectory as it finishes, a progress bar, a summary."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from nemo_gym_prorl.service.trajectory import Trajectory
+
+
+class RolloutReport:
+    def __init__(self, output: Path, title: str) -> None:
+        self.output = output
+        self.title = title
+        self.trajectories: list[Trajectory] = []
+        self._file: IO[str] | None = None
+        self._bar: tqdm | None = None
+        self._started = 0.0
+        self.wall_s = 0.0
+
+    def __enter__(self) -> RolloutReport:
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.output.open("w")
+        self._bar = tqdm(desc="rollouts", unit="rollout", dynamic_ncols=True)
+        self._started = time.perf_counter()
+        return self
+
+    def expect(self, total: int) -> None:
+        assert self._bar is not None
+        self._bar.total = total
+        self._bar.refresh()
+
+    def add(self, trajectory: Trajectory) -> None:
+        assert self._file is not None and self._bar is not None
+        self._file.write(trajectory.model_dump_json() + "\n")
+        self._file.flush()
+        self.trajectories.append(trajectory)
+        self._bar.update(1)
+        self._bar.set_postfix(reward=f"{self.mean('reward'):.2f}")
+
+    def mean(self, attribute: str) -> float:
+        values = [float(getattr(t, attribute)) for t in self.trajectories]
+        return sum(values) / len(values) if values else 0.0
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.wall_s = time.perf_counter() - self._started
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+
+    def summary_rows(self) -> list[tuple[str, str]]:
+        trajectories = self.trajectories
+        turns = [len(t.assistant_turns()) for t in trajectories]
+        generated = sum(len(m["generation_token_ids"]) for t in trajectories for m in t.assistant_turns())
+        errors = [t.critical_error for t in trajectories if t.critical_error]
+        finishes: dict[str, int] = {}
+        for t in trajectories:
+            finishes[str(t.finish)] = finishes.get(str(t.finish), 0) + 1
+        n = len(trajectories) or 1
+        return [
+            ("rollouts", str(len(trajectories))),
+            ("mean reward", f"{self.mean('reward'):.3f}"),
+            ("resolved", f"{sum(t.resolved for t in trajectories)}"),
+            ("mean turns", f"{sum(turns) / n:.2f}"),
+            ("tool calls run", str(sum(t.num_tool_calls for t in trajectories))),
+            ("format errors", str(sum(t.num_format_errors for t in trajectories))),
+            ("finish", ", ".join(f"{k}={v}" for k, v in sorted(finishes.items()))),
+            ("critical errors", str(len(errors)) + (f" ({', '.join(sorted(set(errors)))})" if errors else "")),
+            ("generated tokens", str(generated)),
+            ("tokens/s", f"{generated / self.wall_s:.1f}" if self.wall_s else "-"),
+            ("wall time", f"{self.wall_s:.1f} s"),
+            ("output", str(self.output)),
+        ]
+
+    def print_summary(self, console: Console | None = None) -> None:
+        table = Table(title=f"prorl rollout: {self.title}")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for name, value in self.summary_rows():
+            table.add_row(name, value)
+        (console or Console()).print(table)

