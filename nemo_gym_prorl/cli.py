@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import ValidationError
@@ -38,20 +38,12 @@ def compose_config(overrides: list[str], config_name: str = "config") -> dict:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name=config_name, overrides=overrides)
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except MissingConfigException as e:
+        group, _, name = (e.missing_cfg_file or "").partition("/")
+        known = f"; known: {', '.join(e.options)}" if e.options else ""
+        raise UsageError(f"unknown {group} {name!r}{known}") from None
     except (HydraException, OmegaConfBaseException) as e:
-        raise UsageError(_first_line_of_hydra_error(str(e))) from None
-
-
-def _first_line_of_hydra_error(message: str) -> str:
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    if lines and lines[0].startswith("In 'config': Could not find"):
-        lines = lines[1:] or lines
-    if lines and lines[0].startswith("Could not find '") and len(lines) > 1:
-        group = lines[0].split("'")[1].split("/")[0]
-        name = lines[0].split("'")[1].split("/", 1)[-1]
-        options = ", ".join(lines[2:]) if len(lines) > 2 else ""
-        return f"unknown {group} {name!r}" + (f"; known: {options}" if options else "")
-    return " ".join(lines[:2])
+        raise UsageError(" ".join(str(e).split("\n")[0].split())) from None
 
 
 def _validation_line(error: ValidationError) -> str:

@@ -12,6 +12,7 @@ Token information, by what the request asks for:
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import time
 import uuid
@@ -207,7 +208,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--n-ctx", type=int, default=8192)
-    parser.add_argument("--n-threads", type=int, default=None)
+    parser.add_argument("--n-threads", type=int, default=os.cpu_count(), help="default: all cores")
     parser.add_argument("--n-engines", type=int, default=1, help="llama.cpp contexts serving requests in parallel")
     parser.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs")
     return parser.parse_args(argv)

@@ -1,0 +1,43 @@
+"""Sandboxes: the contract (`base`) and a registry of backends, opened by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nemo_gym_prorl.sandbox.base import (
+    WORKSPACE,
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxLimits,
+    SandboxSpec,
+)
+from nemo_gym_prorl.sandbox.bwrap import BwrapSandbox
+
+__all__ = [
+    "WORKSPACE",
+    "BwrapSandbox",
+    "ExecResult",
+    "Sandbox",
+    "SandboxError",
+    "SandboxLimits",
+    "SandboxSpec",
+    "open_sandbox",
+    "register_backend",
+]
+
+_BACKENDS: dict[str, Callable[[SandboxSpec], Sandbox]] = {"bwrap": BwrapSandbox}
+
+
+def register_backend(name: str, factory: Callable[[SandboxSpec], Sandbox]) -> None:
+    """Make `factory` available to `open_sandbox` under `name` (other backends register themselves here)."""
+    _BACKENDS[name] = factory
+
+
+def open_sandbox(backend: str, spec: SandboxSpec) -> Sandbox:
+    """A new, not yet started sandbox of `backend`; use it as `async with open_sandbox(...) as sbx:`."""
+    try:
+        factory = _BACKENDS[backend]
+    except KeyError:
+        raise ValueError(f"unknown sandbox backend {backend!r}; known: {', '.join(sorted(_BACKENDS))}") from None
+    return factory(spec)

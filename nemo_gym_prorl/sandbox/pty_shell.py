@@ -1,0 +1,395 @@
+"""A persistent interactive bash in a pseudo-terminal, driven without blocking the event loop.
+
+Each command is written to a file in a control directory and sourced by one line sent to the shell, followed by a
+`printf` of a marker that carries `$?`. Sourcing keeps cwd, variables and functions across commands and lets a
+command span lines (heredocs included); `< /dev/null` keeps it from eating the lines we send next. The marker is
+random per shell and numbered per request, and is printed from two `%s` parts, so neither an echoed command line
+nor the output of an earlier request can be mistaken for it.
+
+The shell runs with `--noediting` (no readline) in canonical tty mode with echo and `onlcr` off, so its output is
+exactly what the command printed. A timed-out command is interrupted through the terminal (Ctrl-C, then Ctrl-\\)
+and, if the shell still does not answer, the shell is restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from ptyprocess import PtyProcess
+
+from nemo_gym_prorl.sandbox.base import ExecResult, SandboxError
+
+_SETUP = (
+    "stty -echo -onlcr 2>/dev/null; PS1=''; PS2=''; PS0=''; PROMPT_COMMAND=''; unset HISTFILE; set +o history +m; "
+    "ulimit -S -c 0; bind 'set enable-bracketed-paste off' 2>/dev/null; "
+)
+_RESET_NOTE = "[new shell (the previous one exited or hung): cwd, variables and background processes were reset]"
+_RESTARTED = (
+    "the shell did not respond to Ctrl-C or Ctrl-\\ and was restarted: cwd, variables and background processes "
+    "were reset"
+)
+_CTRL_C = b"\x03"
+_CTRL_BACKSLASH = b"\x1c"
+_POLL_S = 0.005
+_KILL_WAIT_S = 2.0
+
+
+class _Capture:
+    """Collects one request's output until its marker line, keeping at most `limit` bytes (head and tail).
+
+    `done` resolves to the exit status printed with the marker, or to None if the shell went away first.
+    """
+
+    def __init__(self, marker: bytes, limit: int) -> None:
+        self._needle = b"\n" + marker + b":"
+        self._head_max = limit // 2
+        self._tail_max = limit - self._head_max
+        self._pending = bytearray()
+        self._head = bytearray()
+        self._tail = bytearray()
+        self.dropped = 0
+        self.done: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+
+    def feed(self, data: bytes) -> None:
+        if self.done.done():
+            return
+        self._pending += data
+        start = self._pending.find(self._needle)
+        if start < 0:
+            # Keep a possible partial marker at the end; everything before it is output.
+            cut = len(self._pending) - len(self._needle) + 1
+            if cut > 0:
+                self._keep(self._pending[:cut])
+                del self._pending[:cut]
+            return
+        end = self._pending.find(b"\n", start + len(self._needle))
+        if end < 0:
+            return
+        status = self._pending[start + len(self._needle) : end]
+        self._keep(self._pending[:start])
+        self._pending.clear()
+        self.done.set_result(int(status) if status.isdigit() else None)
+
+    def finish(self) -> None:
+        """Stop collecting: what is pending is output, and the marker will not come."""
+        if not self.done.done():
+            self._keep(self._pending)
+            self._pending.clear()
+            self.done.set_result(None)
+
+    def text(self) -> str:
+        note = f"\n[... {self.dropped} bytes truncated ...]\n".encode() if self.dropped else b""
+        raw = bytes(self._head) + note + bytes(self._tail)
+        return raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
+
+    def _keep(self, data: bytes | bytearray) -> None:
+        room = self._head_max - len(self._head)
+        if room > 0:
+            self._head += data[:room]
+            data = data[room:]
+        if data:
+            self._tail += data
+            excess = len(self._tail) - self._tail_max
+            if excess > 0:
+                del self._tail[:excess]
+                self.dropped += excess
+
+
+class PtyShell:
+    """A bash started from `argv` in a pty; `run()` executes commands in it one at a time.
+
+    `control_dir` is a host directory that the shell sees at `control_dir_inside` (the same path by default);
+    command files are written there. The shell is restarted transparently after it exits or hangs, and `close()`
+    kills it and every process of its session.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        control_dir: str | Path,
+        control_dir_inside: str | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        max_output_bytes: int = 64_000,
+        grace_s: float = 1.0,
+        start_timeout_s: float = 10.0,
+        dimensions: tuple[int, int] = (24, 200),
+    ) -> None:
+        self._argv = list(argv)
+        self._control_dir = Path(control_dir)
+        self._control_inside = control_dir_inside or str(self._control_dir)
+        self._env = dict(env) if env is not None else None
+        self._max_output = max_output_bytes
+        self._grace_s = grace_s
+        self._start_timeout_s = start_timeout_s
+        self._dimensions = dimensions
+        self._token = secrets.token_hex(8)
+        self._seq = 0
+        self._lock = asyncio.Lock()
+        self._proc: PtyProcess | None = None
+        self._pidfd: int | None = None
+        self._capture: _Capture | None = None
+        self._teardown_task: asyncio.Task[None] | None = None
+        self._exit_status: int | None = None
+        self._dirty = False
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        """Host pid of the process started from `argv`, None while no shell is running."""
+        return self._proc.pid if self._proc is not None else None
+
+    async def start(self) -> None:
+        async with self._lock:
+            if self._closed:
+                raise SandboxError("shell is closed")
+            if self._proc is None:
+                await self._spawn()
+
+    async def run(self, command: str, timeout: float) -> ExecResult:
+        """Run `command` (any bash text, multi-line allowed); a timeout interrupts it and keeps the session."""
+        async with self._lock:
+            if self._closed:
+                raise SandboxError("shell is closed")
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            notes: list[str] = []
+            if self._proc is None:
+                had_shell = self._seq > 0
+                await self._spawn()
+                if had_shell:
+                    notes.append(_RESET_NOTE)
+            elif self._dirty and await self._interrupt() is None:  # an earlier run was cancelled mid-command
+                notes.append(_RESET_NOTE)
+            self._dirty = True
+            self._seq += 1
+            cmd_file = self._control_dir / f"cmd_{self._seq}.sh"
+            cmd_file.write_text(command if command.endswith("\n") else command + "\n", encoding="utf-8")
+            cmd_file.chmod(0o644)
+            capture = self._expect(self._seq, self._max_output)
+            try:
+                self._send(f". {self._control_inside}/{cmd_file.name} < /dev/null; {self._marker_cmd(self._seq)}")
+                await asyncio.wait([capture.done], timeout=timeout)
+                capture.finish()
+                self._capture = None
+                status = capture.done.result()
+                timed_out = False
+                if status is not None:
+                    self._dirty = False
+                    exit_code: int | None = status
+                elif self._proc is not None and not self._gone():
+                    timed_out, exit_code = True, None
+                    how = await self._interrupt() or ("the shell was closed" if self._closed else _RESTARTED)
+                    notes.append(f"[timed out after {timeout:g}s: {how}]")
+                else:
+                    await self._teardown()
+                    exit_code = None if self._closed else self._exit_status
+                    notes.append(
+                        "[the shell was closed while the command ran]"
+                        if self._closed
+                        else f"[the shell exited (status {exit_code}); the next command starts a fresh shell: "
+                        "cwd, variables and background processes are reset]"
+                    )
+            finally:
+                cmd_file.unlink(missing_ok=True)
+            output = capture.text()
+            if notes:
+                output += ("" if not output or output.endswith("\n") else "\n") + "\n".join(notes) + "\n"
+            return ExecResult(
+                output=output,
+                exit_code=exit_code,
+                timed_out=timed_out,
+                truncated=capture.dropped > 0,
+                duration_s=loop.time() - started,
+            )
+
+    async def close(self) -> None:
+        """Kill the shell and every process of its session, reap it, close its fds. Idempotent."""
+        self._closed = True
+        await self._teardown()
+
+    # -- process lifecycle -------------------------------------------------------------------------------------
+
+    async def _spawn(self) -> None:
+        try:
+            proc = PtyProcess.spawn(self._argv, env=self._env, echo=False, dimensions=self._dimensions)
+        except OSError as e:
+            raise SandboxError(f"cannot start shell {self._argv[0]!r}: {e}") from e
+        loop = asyncio.get_running_loop()
+        os.set_blocking(proc.fd, False)
+        self._proc, self._pidfd, self._teardown_task, self._exit_status = proc, os.pidfd_open(proc.pid), None, None
+        loop.add_reader(proc.fd, self._on_readable)
+        loop.add_reader(self._pidfd, self._on_process_exit)
+        ok, output = await self._sync(_SETUP.encode(), self._start_timeout_s)
+        if not ok:
+            await self._teardown()
+            raise SandboxError(f"shell did not start ({' '.join(self._argv)}): {output.strip()!r}")
+        self._dirty = False
+
+    async def _interrupt(self) -> str | None:
+        """Bring a busy shell back to its prompt: what did it, or None when the shell had to be restarted."""
+        for key, name in ((_CTRL_C, "interrupted with Ctrl-C"), (_CTRL_BACKSLASH, "killed with Ctrl-\\")):
+            if self._proc is None or self._gone():
+                break
+            if (await self._sync(key, self._grace_s))[0]:
+                self._dirty = False
+                return name
+        await self._teardown()
+        if not self._closed:
+            await self._spawn()
+        return None
+
+    async def _sync(self, prefix: bytes, timeout: float) -> tuple[bool, str]:
+        """Send `prefix` then a marker line; True once the marker is back. Ctrl-C/Ctrl-\\ flush queued input,
+        so only the marker of the latest sync is awaited; older output is discarded."""
+        self._seq += 1
+        capture = self._expect(self._seq, 4096)
+        self._send(self._marker_cmd(self._seq), prefix)
+        await asyncio.wait([capture.done], timeout=timeout)
+        capture.finish()
+        self._capture = None
+        return capture.done.result() is not None, capture.text()
+
+    async def _teardown(self) -> None:
+        """Kill the current shell's session and reap it; concurrent callers share one teardown."""
+        if self._proc is None:
+            return
+        if self._teardown_task is None:
+            self._teardown_task = asyncio.ensure_future(self._kill_and_reap(self._proc))
+        await asyncio.shield(self._teardown_task)
+
+    async def _kill_and_reap(self, proc: PtyProcess) -> None:
+        """Kill the session's other members first so their parents (still alive) reap them, then the leader.
+
+        Killing the leader first would orphan them, and an orphan is only reaped whenever the host's pid 1 gets
+        to it. Under bwrap `--as-pid-1` the inner bash is such a member; its death takes its pid namespace along.
+        """
+        self._detach()
+        members = _session_members(proc.pid) - {proc.pid}
+        _kill_all(members)
+        await _poll_until(lambda: self._reap(proc) or not any(_exists(p) for p in members), _KILL_WAIT_S)
+        if not self._reap(proc):
+            _kill_all({proc.pid} | _session_members(proc.pid))
+            await _poll_until(lambda: self._reap(proc), _KILL_WAIT_S)
+        proc.fileobj.close()
+        proc.closed = True  # ptyprocess's own close() would sleep and signal again
+        self._proc = None
+
+    def _reap(self, proc: PtyProcess) -> bool:
+        """Non-blocking waitpid of the leader; records its exit status (None when killed by a signal)."""
+        if proc.status is not None:
+            return True
+        try:
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = proc.pid, 0
+        if pid == 0:
+            return False
+        proc.status = status
+        self._exit_status = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+        return True
+
+    # -- pty I/O -----------------------------------------------------------------------------------------------
+
+    def _marker_cmd(self, seq: int) -> str:
+        return f"printf '\\n%s%s:%s\\n' PRORL_ {self._token}_{seq} \"$?\"\n"
+
+    def _expect(self, seq: int, limit: int) -> _Capture:
+        self._capture = _Capture(f"PRORL_{self._token}_{seq}".encode(), limit)
+        return self._capture
+
+    def _send(self, line: str, prefix: bytes = b"") -> None:
+        """Write to the pty. Lines are short (the command itself is in a file), so this fits the tty buffer."""
+        assert self._proc is not None
+        data = prefix + line.encode()
+        while data:
+            try:
+                data = data[os.write(self._proc.fd, data) :]
+            except BlockingIOError:
+                raise SandboxError("the shell's terminal input is full") from None
+            except OSError:
+                return  # the shell is gone; the reader will notice
+
+    def _gone(self) -> bool:
+        return self._pidfd is None
+
+    def _on_readable(self) -> None:
+        assert self._proc is not None
+        try:
+            data = os.read(self._proc.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:  # EIO: every slave end is closed
+            data = b""
+        if not data:
+            self._detach()
+        elif self._capture is not None:
+            self._capture.feed(data)
+
+    def _on_process_exit(self) -> None:
+        """The leader exited; take what it wrote before (orphans may keep the pty open, so EOF may never come)."""
+        assert self._proc is not None
+        while True:
+            try:
+                data = os.read(self._proc.fd, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            if self._capture is not None:
+                self._capture.feed(data)
+        self._detach()
+
+    def _detach(self) -> None:
+        """Stop watching the shell and end the pending request (its marker will not come)."""
+        if self._pidfd is None or self._proc is None:
+            return
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._proc.fd)
+        loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._pidfd = None
+        if self._capture is not None:
+            self._capture.finish()
+
+
+def _session_members(sid: int) -> set[int]:
+    """Host pids of the processes whose session id is `sid` (the shell is a session leader: ptyprocess setsid()s)."""
+    members = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # after "pid (comm)": state ppid pgrp session
+            members.add(int(entry.name))
+    return members
+
+
+def _kill_all(pids: set[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+async def _poll_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Reaping is not observable as an event for processes that are not our children: poll, within a deadline."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() >= deadline:
+            return False
+        await asyncio.sleep(_POLL_S)
+    return True

@@ -1,0 +1,39 @@
+"""Shared fixtures: one real embedded model server for the session."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import pytest
+
+from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
+from nemo_gym_prorl.models.local_model import default_gguf
+from nemo_gym_prorl.models.tokenizer import Tokenizer
+
+TEST_N_CTX = 2048
+
+
+@pytest.fixture(scope="session")
+def model_server() -> Iterator[LocalModelServer]:
+    """The real llama.cpp server, started once; the process is stopped at the end of the session."""
+    loop = asyncio.new_event_loop()
+    server = LocalModelServer(LocalModelConfig(n_ctx=TEST_N_CTX))
+    loop.run_until_complete(server.__aenter__())
+    try:
+        yield server
+    finally:
+        loop.run_until_complete(server.stop())
+        loop.close()
+
+
+@pytest.fixture
+async def model_http(model_server: LocalModelServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=model_server.base_url.removesuffix("/v1"), timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(default_gguf())

@@ -1,0 +1,34 @@
+"""The math verifier grades with math-verify: right, wrong, unparseable, missing."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_gym_prorl.envs.math import grade_answer
+
+
+@pytest.mark.parametrize("answer", ["\\boxed{-6}", "The answer is $-6$.", "-6", "so x = \\boxed{-6.0}"])
+def test_right_answers_get_reward_one(answer: str) -> None:
+    grade = grade_answer(answer, "-6")
+    assert grade.reward == 1.0 and grade.resolved and grade.details["reason"] == "correct"
+
+
+def test_equivalent_forms_are_right() -> None:
+    assert grade_answer("\\boxed{\\frac{1}{2}}", "0.5").resolved
+
+
+def test_wrong_answer_gets_zero_and_says_why() -> None:
+    grade = grade_answer("\\boxed{7}", "-6")
+    assert grade.reward == 0.0 and not grade.resolved
+    assert grade.details["reason"] == "wrong answer" and grade.details["parsed_answer"] == "7"
+
+
+@pytest.mark.parametrize("answer", ["I don't know", "", None])
+def test_unparseable_or_missing_answers_get_zero_with_a_reason(answer: str | None) -> None:
+    grade = grade_answer(answer, "-6")
+    assert grade.reward == 0.0 and grade.details["reason"] in ("unparseable answer", "no answer submitted")
+
+
+def test_an_unparseable_expected_answer_is_an_error_not_a_zero() -> None:
+    with pytest.raises(ValueError, match="not parseable"):
+        grade_answer("\\boxed{1}", "@@@")
