@@ -1,0 +1,86 @@
+"""`prorl` as a user runs it: a real rollout end to end, and bad input stopped at once with one clear line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
+
+PRORL = [sys.executable, "-m", "nemo_gym_prorl.cli"]
+
+
+def prorl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*PRORL, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_rollout_writes_token_faithful_trajectories_graded_by_math_verify(tmp_path: Path) -> None:
+    output = tmp_path / "rollouts.jsonl"
+    result = prorl(
+        "rollout", "task=math", "model=local", "sandbox=bwrap", "n_samples=2", "limit=2", "concurrency=4",
+        "sampling.max_tokens=96", "model.n_ctx=4096", f"output={output}", timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "mean reward" in result.stdout and "tool calls run" in result.stdout
+    trajectories = [Trajectory.model_validate_json(line) for line in output.read_text().splitlines()]
+    assert len(trajectories) == 4
+    assert sorted(t.instance_id for t in trajectories) == ["arith-000", "arith-000", "arith-001", "arith-001"]
+    for t in trajectories:
+        assert t.critical_error is None, t.error
+        turns = t.assistant_turns()
+        assert turns and contiguity_violation(turns) is None
+        assert all(all(field in turn for field in TOKEN_FIELDS) for turn in turns)
+        assert all(len(turn["generation_token_ids"]) <= 96 for turn in turns)
+        assert t.reward in (0.0, 1.0) and t.evaluation["reason"] in (
+            "correct", "wrong answer", "unparseable answer", "no answer submitted"
+        )
+        assert t.timing.init > 0 and t.timing.run > 0
+    # the two samples of an instance share their first prompt (GRPO groups need that) but not their seed
+    first_prompts = {t.instance_id: [] for t in trajectories}
+    for t in trajectories:
+        first_prompts[t.instance_id].append(t.assistant_turns()[0]["prompt_token_ids"])
+    assert all(a == b for a, b in first_prompts.values())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["task=nope"], "unknown task 'nope'; known: math"),
+        (["model=gpt5"], "unknown model 'gpt5'; known: local"),
+        (["sandbox=docker"], "unknown sandbox 'docker'; known: bwrap"),
+        (["n_samples=four"], "invalid n_samples='four'"),
+        (["limit=0"], "invalid limit=0"),
+    ],
+)
+def test_bad_overrides_stop_at_once_with_one_line(args: list[str], message: str, tmp_path: Path) -> None:
+    result = prorl("rollout", *args, f"output={tmp_path / 'out.jsonl'}")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("prorl: error: ")
+    assert message in lines[0]
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("name: x\ntype: math\ndataset: {path: missing.jsonl}\nprompt_template: '{q}'\ntools: [bash]\n", "missing.jsonl does not exist"),
+        ("name: x\n  type: [math\n", "is not valid YAML at line 2"),
+        ("name: x\ntype: chess\ndataset: {path: d.jsonl}\nprompt_template: q\ntools: []\n", "field 'type'"),
+    ],
+)
+def test_bad_task_files_stop_at_once_naming_the_problem(yaml_text: str, message: str, tmp_path: Path) -> None:
+    task = tmp_path / "task.yaml"
+    task.write_text(yaml_text)
+    result = prorl("rollout", f"task.name={task}", f"output={tmp_path / 'out.jsonl'}")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert message in result.stderr
+
+
+def test_unknown_command_and_help() -> None:
+    assert "usage: prorl" in prorl("--help").stdout
+    result = prorl("train")
+    assert result.returncode == 2 and "unknown command 'train'" in result.stderr
