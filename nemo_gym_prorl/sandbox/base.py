@@ -19,15 +19,28 @@ class SandboxLimits(BaseModel):
 
     wall_clock_s: float = Field(1800.0, gt=0, description="lifetime of the sandbox; past it, it is killed")
     memory_mb: int = Field(2048, gt=0, description="address-space limit of each process inside")
+    cpu_time_s: int | None = Field(None, gt=0, description="CPU seconds per process (RLIMIT_CPU)")
+    max_processes: int | None = Field(256, gt=0, description="processes alive in the sandbox at once")
+    file_size_mb: int | None = Field(1024, gt=0, description="largest file a process may write (RLIMIT_FSIZE)")
     max_output_bytes: int = Field(64_000, gt=0, description="bytes of one command's output kept (head and tail)")
+
+
+class BindMount(BaseModel):
+    source: str = Field(description="host path")
+    target: str = Field(description="path inside the sandbox")
+    writable: bool = False
 
 
 class SandboxSpec(BaseModel):
     """What to start a sandbox from."""
 
+    image: str | None = Field(
+        None, description="None: the host's /usr and /etc read-only; a directory: a rootfs; a .sif file (Apptainer)"
+    )
     network: bool = False
     env: dict[str, str] = Field(default_factory=dict)
-    limits: SandboxLimits = Field(default_factory=SandboxLimits)
+    binds: list[BindMount] = Field(default_factory=list)
+    limits: SandboxLimits = Field(default_factory=lambda: SandboxLimits())
 
 
 class ExecResult(BaseModel):
@@ -44,6 +57,10 @@ class SandboxError(RuntimeError):
     """The sandbox itself failed (could not start, died); a command's own failure is an ExecResult instead."""
 
 
+class PathOutsideWorkspaceError(ValueError):
+    """A file path given to write_file/read_file leads outside the sandbox's workspace."""
+
+
 class Sandbox(Protocol):
     """An isolated workspace with a persistent shell. Use as `async with`."""
 
@@ -53,8 +70,13 @@ class Sandbox(Protocol):
         """Run `command` in the persistent shell; cwd and environment persist to the next call."""
         ...
 
+    async def exec(self, argv: list[str], timeout: float) -> ExecResult:
+        """Run one program inside the sandbox outside the persistent shell (whose state it leaves untouched)."""
+        ...
+
     async def write_file(self, path: str, data: bytes) -> None:
-        """Write `data` at `path`, relative to the workspace or absolute under it."""
+        """Write `data` at `path`, relative to the workspace or absolute under it (PathOutsideWorkspaceError if
+        it leads outside)."""
         ...
 
     async def read_file(self, path: str) -> bytes: ...
@@ -64,3 +86,11 @@ class Sandbox(Protocol):
     async def __aenter__(self) -> Self: ...
 
     async def __aexit__(self, *exc: object) -> None: ...
+
+
+class ForkableSandbox(Sandbox, Protocol):
+    """A sandbox that can start copy-on-write copies of itself (GRPO groups: one init, n samples)."""
+
+    async def fork(self, n: int) -> list[Sandbox]:
+        """n started sandboxes, each seeing this one's workspace as it is now, each writing only to its own copy."""
+        ...
