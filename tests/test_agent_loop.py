@@ -12,14 +12,15 @@ from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.service.agent_loop import AgentLoop
-from nemo_gym_prorl.service.llm_client import Completion, ContextLengthExceeded
+from nemo_gym_prorl.service.llm_client import ContextLengthExceeded, TokenInTokenOut
 from nemo_gym_prorl.service.rollout import run_rollout
 from nemo_gym_prorl.service.trajectory import contiguity_violation
 from nemo_gym_prorl.tool_calls import tool_call_format
 
 
 class ScriptedModel:
-    """Answers each turn with the next scripted reply, as the ids the tokenizer gives it (+ <|im_end|>)."""
+    """A stand-in `/completions` server: answers each turn with the next scripted reply, as the ids the tokenizer
+    gives it (+ <|im_end|>), and keeps the token prompts it was sent."""
 
     def __init__(self, tokenizer: Tokenizer, replies: list[str | None], max_tokens: int = 1000) -> None:
         self.tokenizer = tokenizer
@@ -27,20 +28,22 @@ class ScriptedModel:
         self.max_tokens = max_tokens
         self.prompts: list[list[int]] = []
 
-    async def complete(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
-        self.prompts.append(prompt_ids)
+    async def __call__(self, path: str, body: dict) -> dict:
+        assert path == "/completions" and body["return_token_ids"]
+        self.prompts.append(body["prompt"])
         reply = self.replies.pop(0)
         if reply is None:
-            raise ContextLengthExceeded("maximum context length")
+            raise ContextLengthExceeded(400, "This model's maximum context length is 2048 tokens.")
         ids = self.tokenizer.encode(reply)
         cut = len(ids) > self.max_tokens
         ids = ids[: self.max_tokens] if cut else ids + [self.tokenizer.eos_token_id]
-        return Completion(
-            token_ids=ids,
-            log_probs=[-0.5] * len(ids),
-            text=self.tokenizer.decode(ids),
-            finish_reason="length" if cut else "stop",
-        )
+        choice = {
+            "text": self.tokenizer.decode(ids),
+            "token_ids": ids,
+            "logprobs": {"token_logprobs": [-0.5] * len(ids)},
+            "finish_reason": "length" if cut else "stop",
+        }
+        return {"choices": [choice]}
 
 
 @pytest.fixture
@@ -50,7 +53,8 @@ def math_task(tmp_path: Path):
 
 
 def agent(tokenizer: Tokenizer, model: ScriptedModel, fmt: str = "codeact", max_turns: int = 3) -> AgentLoop:
-    return AgentLoop(model, tokenizer, tool_call_format(fmt), SamplingParams(max_tokens=64), max_turns)  # type: ignore[arg-type]
+    generator = TokenInTokenOut(model, "scripted", tokenizer, SamplingParams(max_tokens=64))
+    return AgentLoop(generator, tool_call_format(fmt), max_turns)
 
 
 INSTANCE = TaskInstance(instance_id="t1", data={"id": "t1", "question": "Calculate 6 * 7.", "answer": "42"})
@@ -102,7 +106,7 @@ async def test_format_errors_are_recorded_per_turn_and_the_rollout_goes_on(math_
     assert [t.get("format_error", "")[:20] for t in turns] == [
         "malformed tool call ",
         "no tool call: call a",
-        "reply cut at max_tok",
+        "reply cut at the max",
     ]
     assert trajectory.finish == "max_turns" and trajectory.num_format_errors == 3
     assert trajectory.critical_error is None and trajectory.evaluation["reason"] == "no answer submitted"
@@ -122,3 +126,64 @@ async def test_a_failing_init_is_classified_and_nothing_runs(math_task, tokenize
     trajectory = await run_rollout(make_environment(bad, "bwrap"), agent(tokenizer, model), INSTANCE)
     assert trajectory.critical_error == "init" and "missing_column" in (trajectory.error or "")
     assert model.prompts == []
+
+
+class ScriptedChatServer:
+    """A stand-in `/chat/completions` server returning NeMo RL token fields; `drift` makes turn 2's prompt not
+    extend turn 1 (as a server that re-tokenized the history would)."""
+
+    def __init__(self, tokenizer: Tokenizer, replies: list[str], drift: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.replies = list(replies)
+        self.drift = drift
+        self.bodies: list[dict] = []
+
+    async def __call__(self, path: str, body: dict) -> dict:
+        assert path == "/chat/completions" and body["logprobs"] and body["return_tokens_as_token_ids"]
+        self.bodies.append(body)
+        earlier = [m for m in body["messages"] if m["role"] == "assistant"]
+        prefix = (earlier[-1]["prompt_token_ids"] + earlier[-1]["generation_token_ids"]) if earlier else []
+        if self.drift and prefix:
+            prefix = prefix[:-1]
+        prompt = prefix + self.tokenizer.encode(body["messages"][-1]["content"])
+        ids = self.tokenizer.encode(self.replies.pop(0)) + [self.tokenizer.eos_token_id]
+        message = {
+            "role": "assistant",
+            "content": self.tokenizer.decode(ids),
+            "prompt_token_ids": prompt,
+            "generation_token_ids": ids,
+            "generation_log_probs": [-1.0] * len(ids),
+        }
+        return {"choices": [{"message": message, "finish_reason": "stop"}]}
+
+
+@pytest.mark.parametrize("drift", [False, True])
+async def test_chat_mode_echoes_token_fields_and_masks_a_non_contiguous_turn(math_task, tokenizer: Tokenizer, drift: bool) -> None:
+    from nemo_gym_prorl.service.llm_client import ChatCompletions
+
+    server = ScriptedChatServer(tokenizer, ["```bash\necho 6\n```", "\\boxed{42}"], drift=drift)
+    loop = AgentLoop(ChatCompletions(server, "scripted", SamplingParams()), tool_call_format("codeact"), 3)
+    trajectory = await run_rollout(make_environment(math_task, "bwrap"), loop, INSTANCE)
+    assert trajectory.reward == 1.0
+    second_request_assistant = [m for m in server.bodies[1]["messages"] if m["role"] == "assistant"][0]
+    assert "generation_token_ids" in second_request_assistant and "finish_reason" not in second_request_assistant
+    turns = trajectory.assistant_turns()
+    assert ("contiguity_error" in turns[1]) == drift and turns[1].get("mask", False) == drift
+    assert (contiguity_violation(turns) is None) != drift
+
+
+@pytest.mark.parametrize("mode", ["tokens", "chat"])
+async def test_both_generation_modes_stay_contiguous_against_the_real_model_server(
+    math_task, tokenizer: Tokenizer, model_server, mode: str
+) -> None:
+    import httpx
+
+    from nemo_gym_prorl.service.llm_client import http_poster, turn_generator
+
+    async with httpx.AsyncClient(timeout=120) as http:
+        generator = turn_generator(mode, http_poster(http, model_server.base_url), "local", SamplingParams(max_tokens=40, seed=1), tokenizer)
+        loop = AgentLoop(generator, tool_call_format("hermes"), 3)
+        trajectory = await run_rollout(make_environment(math_task, "bwrap"), loop, INSTANCE)
+    turns = trajectory.assistant_turns()
+    assert trajectory.critical_error is None and len(turns) == 3
+    assert contiguity_violation(turns) is None and not any("contiguity_error" in t for t in turns)

@@ -18,7 +18,7 @@ from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.service.agent_loop import AgentLoop
-from nemo_gym_prorl.service.llm_client import CompletionsClient
+from nemo_gym_prorl.service.llm_client import GenerationMode, http_poster, turn_generator
 from nemo_gym_prorl.service.rollout import run_rollouts
 from nemo_gym_prorl.service.trajectory import Trajectory
 from nemo_gym_prorl.tool_calls import ToolCallFormatName, tool_call_format
@@ -33,6 +33,7 @@ class ModelChoice(LocalModelConfig):
     model_config = ConfigDict(extra="forbid")
     kind: Literal["local"]
     tool_call_format: ToolCallFormatName = "codeact"
+    generation_mode: GenerationMode = "tokens"
 
 
 class SandboxChoice(BaseModel):
@@ -76,11 +77,12 @@ async def run_job(config: RolloutJobConfig, sink: RolloutSink | None = None) -> 
     async with AsyncExitStack() as stack:
         server = await stack.enter_async_context(LocalModelServer(config.model))
         http = await stack.enter_async_context(httpx.AsyncClient(timeout=httpx.Timeout(600.0)))
-        llm = CompletionsClient(server.base_url, config.model.served_model_name, http)
+        post = http_poster(http, server.base_url)
 
         def agent_for(instance: TaskInstance, sample: int) -> AgentLoop:
             sampling = config.sampling.model_copy(update={"seed": sample_seed(config.seed, instance.instance_id, sample)})
-            return AgentLoop(llm, tokenizer, tool_format, sampling, task.max_turns)
+            generator = turn_generator(config.model.generation_mode, post, config.model.served_model_name, sampling, tokenizer)
+            return AgentLoop(generator, tool_format, task.max_turns)
 
         jobs = [(instance, agent_for(instance, s)) for instance in instances for s in range(config.n_samples)]
         if sink is not None:

@@ -1,57 +1,190 @@
-"""Token-in/token-out model calls: a prompt of token ids in, generated ids and their log-probs out.
+"""The two ways a rollout asks a model for its next turn, both keeping exact token ids.
 
-Speaks the plain vLLM protocol (``/v1/completions`` with a token-id prompt, ``return_token_ids``, ``logprobs``),
-which our embedded server implements too.
+- ``TokenInTokenOut``: we render the chat template ourselves and send token-id prompts to ``/v1/completions``
+  (plain vLLM, our embedded server). The next prompt is the previous prompt + the generated ids + the tokens of
+  what follows, so earlier turns are never re-tokenized.
+- ``ChatCompletions``: ``/v1/chat/completions`` with NeMo RL's token fields; earlier assistant messages carry their
+  ``prompt_token_ids``/``generation_token_ids`` and the server splices them back as the exact prefix.
+
+Both post through a ``PostJSON`` callable — one HTTP client to one server, or the service's LLM pool, which keeps a
+trajectory on one backend.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, Protocol
 
 import httpx
 from pydantic import BaseModel
 
 from nemo_gym_prorl.models.engine import SamplingParams
+from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS
+
+GenerationMode = Literal["tokens", "chat"]
+PostJSON = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
-class ContextLengthExceeded(Exception):
-    """The server refused the prompt: it does not fit the model's context window."""
+class LLMRequestError(Exception):
+    """The model server refused a request (a 4xx): retrying it unchanged cannot help."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
 
 
-class Completion(BaseModel):
-    token_ids: list[int]
-    log_probs: list[float]
+class ContextLengthExceeded(LLMRequestError):
+    """The prompt (plus the completion budget) does not fit the model's context window."""
+
+
+def refusal(status: int, message: str) -> LLMRequestError:
+    """The typed error for a 4xx answer; context-window refusals are told apart by their message, as vLLM words it."""
+    if status == 400 and "context length" in message:
+        return ContextLengthExceeded(status, message)
+    return LLMRequestError(status, message)
+
+
+def http_poster(http: httpx.AsyncClient, base_url: str) -> PostJSON:
+    """A PostJSON to one server: 4xx become LLMRequestError, other failures raise as httpx errors."""
+    base = base_url.rstrip("/")
+
+    async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = await http.post(base + path, json=body)
+        if 400 <= response.status_code < 500:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text
+            raise refusal(response.status_code, message)
+        response.raise_for_status()
+        return response.json()
+
+    return post
+
+
+class Turn(BaseModel):
+    """One generation: the exact prompt it continued, what the model produced, and how it stopped."""
+
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
     text: str
     finish_reason: str
+    server_message: dict[str, Any] | None = None  # chat mode: the message as the server parsed it
 
 
-class CompletionsClient:
-    def __init__(self, base_url: str, model: str, http: httpx.AsyncClient) -> None:
-        self.url = base_url.rstrip("/") + "/completions"
+def _sampling_body(sampling: SamplingParams) -> dict[str, Any]:
+    body: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p}
+    if sampling.max_tokens is not None:
+        body["max_tokens"] = sampling.max_tokens
+    if sampling.seed is not None:
+        body["seed"] = sampling.seed
+    if sampling.top_k > 0:
+        body["top_k"] = sampling.top_k
+    return body
+
+
+def _checked_turn(turn: Turn) -> Turn:
+    if len(turn.generation_log_probs) != len(turn.generation_token_ids):
+        raise ValueError(
+            f"server returned {len(turn.generation_log_probs)} log-probs for {len(turn.generation_token_ids)} tokens"
+        )
+    return turn
+
+
+class TurnGenerator(Protocol):
+    async def generate(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, previous: Turn | None
+    ) -> Turn:
+        """The next assistant turn for `messages` (the whole conversation so far, ending with the newest
+        user/tool messages); `previous` is this rollout's last turn, whose assistant message is in `messages`."""
+        ...
+
+
+class TokenInTokenOut:
+    def __init__(self, post: PostJSON, model: str, tokenizer: Tokenizer, sampling: SamplingParams) -> None:
+        self._post = post
         self.model = model
-        self._http = http
+        self.tokenizer = tokenizer
+        self.sampling = sampling
 
-    async def complete(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+    def next_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, previous: Turn | None) -> list[int]:
+        template = self.tokenizer.chat_template
+        if previous is None:
+            return self.tokenizer.encode(template.render(messages, tools, add_generation_prompt=True))
+        last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+        generated = previous.generation_token_ids
+        ended = bool(generated) and self.tokenizer.is_end_of_generation(generated[-1])
+        following = template.continuation_text(messages[: last + 1], messages[last + 1 :], tools, ended)
+        return previous.prompt_token_ids + generated + self.tokenizer.encode(following)
+
+    async def generate(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, previous: Turn | None
+    ) -> Turn:
+        prompt = self.next_prompt(messages, tools, previous)
+        body = {"model": self.model, "prompt": prompt, "logprobs": 0, "return_token_ids": True}
+        choice = (await self._post("/completions", body | _sampling_body(self.sampling)))["choices"][0]
+        return _checked_turn(
+            Turn(
+                prompt_token_ids=prompt,
+                generation_token_ids=choice["token_ids"],
+                generation_log_probs=choice["logprobs"]["token_logprobs"],
+                text=choice["text"],
+                finish_reason=choice["finish_reason"],
+            )
+        )
+
+
+class ChatCompletions:
+    def __init__(self, post: PostJSON, model: str, sampling: SamplingParams) -> None:
+        self._post = post
+        self.model = model
+        self.sampling = sampling
+
+    async def generate(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, previous: Turn | None
+    ) -> Turn:
         body: dict[str, Any] = {
             "model": self.model,
-            "prompt": prompt_ids,
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "logprobs": 0,
-            "return_token_ids": True,
+            "messages": [_wire_message(m) for m in messages],
+            "logprobs": True,
+            "top_logprobs": 0,
+            "return_tokens_as_token_ids": True,
         }
-        if sampling.seed is not None:
-            body["seed"] = sampling.seed
-        response = await self._http.post(self.url, json=body)
-        if response.status_code == 400 and "context length" in response.text:
-            raise ContextLengthExceeded(response.json()["error"]["message"])
-        response.raise_for_status()
-        choice = response.json()["choices"][0]
-        token_ids = choice["token_ids"]
-        log_probs = choice["logprobs"]["token_logprobs"]
-        if len(log_probs) != len(token_ids):
-            raise ValueError(f"server returned {len(log_probs)} log-probs for {len(token_ids)} tokens")
-        return Completion(
-            token_ids=token_ids, log_probs=log_probs, text=choice["text"], finish_reason=choice["finish_reason"]
+        if tools:
+            body["tools"] = tools
+        choice = (await self._post("/chat/completions", body | _sampling_body(self.sampling)))["choices"][0]
+        message = choice["message"]
+        missing = [f for f in TOKEN_FIELDS if f not in message]
+        if missing:
+            raise ValueError(f"the chat server returned no {', '.join(missing)}: it does not speak NeMo RL's token fields")
+        return _checked_turn(
+            Turn(
+                prompt_token_ids=message["prompt_token_ids"],
+                generation_token_ids=message["generation_token_ids"],
+                generation_log_probs=message["generation_log_probs"],
+                text=message.get("content") or "",
+                finish_reason=choice["finish_reason"],
+                server_message=message,
+            )
         )
+
+
+_WIRE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name", *TOKEN_FIELDS)
+
+
+def _wire_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as a chat server takes it: our bookkeeping keys (format_error, ...) stay home, token fields go."""
+    return {k: v for k, v in message.items() if k in _WIRE_KEYS}
+
+
+def turn_generator(
+    mode: GenerationMode, post: PostJSON, model: str, sampling: SamplingParams, tokenizer: Tokenizer | None
+) -> TurnGenerator:
+    if mode == "chat":
+        return ChatCompletions(post, model, sampling)
+    if tokenizer is None:
+        raise ValueError("token-in/token-out generation needs the model's tokenizer")
+    return TokenInTokenOut(post, model, tokenizer, sampling)
