@@ -25,6 +25,8 @@ USAGE = """usage: prorl COMMAND [key=value ...]
 commands:
   rollout   run rollouts with the configured task, model and sandbox, e.g.
             prorl rollout task=math model=local sandbox=bwrap n_samples=4 limit=8 output=rollouts.jsonl
+            (service.url=http://host:8100 sends the jobs to a running `prorl serve` instead)
+  serve     the rollout service over HTTP (conf/serve.yaml), e.g. prorl serve service.port=8100
   bench     benchmarks: prorl bench model
 """
 
@@ -67,6 +69,19 @@ def rollout_command(overrides: list[str]) -> None:
     report.print_summary()
 
 
+def serve_command(overrides: list[str]) -> None:
+    from nemo_gym_prorl.service.serve import serve
+    from nemo_gym_prorl.service.runtime import ServiceConfig
+
+    try:
+        config = ServiceConfig.model_validate(compose_config(overrides, "serve"))
+    except ValidationError as e:
+        raise UsageError(_validation_line(e)) from None
+    for name in config.service.tasks:
+        load_task(name)  # fail on a bad task before starting anything
+    serve(config)
+
+
 def bench_command(args: list[str]) -> None:
     from nemo_gym_prorl.bench import run_benchmark
 
@@ -75,7 +90,7 @@ def bench_command(args: list[str]) -> None:
     run_benchmark(args[0], args[1:])
 
 
-COMMANDS = {"rollout": rollout_command, "bench": bench_command}
+COMMANDS = {"rollout": rollout_command, "serve": serve_command, "bench": bench_command}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 from pydantic import BaseModel
 
@@ -37,24 +38,29 @@ class LocalModelConfig(BaseModel):
         return args
 
 
-class LocalModelServer:
-    """``async with LocalModelServer(config) as server: server.base_url`` — the process is gone on exit."""
+class ModelServerProcess:
+    """A model server child process that prints ``PRORL_MODEL_SERVER_READY <port>`` when it accepts requests.
+    ``async with ModelServerProcess(argv) as server: server.base_url`` — the process group is gone on exit."""
 
-    def __init__(self, config: LocalModelConfig) -> None:
-        self.config = config
+    def __init__(self, argv: list[str], host: str = "127.0.0.1", startup_timeout_s: float = 120.0) -> None:
+        self.argv = argv
+        self.host = host
+        self.startup_timeout_s = startup_timeout_s
         self.base_url = ""
+        self.pid: int | None = None
         self._process: asyncio.subprocess.Process | None = None
 
-    async def __aenter__(self) -> LocalModelServer:
+    async def __aenter__(self) -> Self:
         self._process = await asyncio.create_subprocess_exec(
-            *self.config.argv(), stdout=asyncio.subprocess.PIPE, start_new_session=True
+            *self.argv, stdout=asyncio.subprocess.PIPE, start_new_session=True
         )
+        self.pid = self._process.pid
         try:
-            port = await asyncio.wait_for(self._ready_port(), self.config.startup_timeout_s)
+            port = await asyncio.wait_for(self._ready_port(), self.startup_timeout_s)
         except BaseException:
             await self.stop()
             raise
-        self.base_url = f"http://{self.config.host}:{port}/v1"
+        self.base_url = f"http://{self.host}:{port}/v1"
         return self
 
     async def _ready_port(self) -> int:
@@ -83,3 +89,11 @@ class LocalModelServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.stop()
+
+
+class LocalModelServer(ModelServerProcess):
+    """The embedded llama.cpp server (`nemo_gym_prorl.models.server`) as configured."""
+
+    def __init__(self, config: LocalModelConfig) -> None:
+        super().__init__(config.argv(), config.host, config.startup_timeout_s)
+        self.config = config

@@ -1,27 +1,26 @@
-"""A rollout job: the config `prorl rollout` composes, and running it end to end."""
+"""`prorl rollout`: a client of the rollout service — one job per task instance, `n_samples` samples each.
+
+With ``service.url`` unset the service runs in-process (the same runtime ``prorl serve`` runs); with it set, the
+jobs go to that service over HTTP. Either way the trajectories are the same.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
-import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from nemo_gym_prorl.envs import make_environment
 from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
 from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.models.engine import SamplingParams
-from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
-from nemo_gym_prorl.models.local_model import default_gguf
-from nemo_gym_prorl.models.tokenizer import Tokenizer
-from nemo_gym_prorl.service.agent_loop import AgentLoop
-from nemo_gym_prorl.service.llm_client import GenerationMode, http_poster, turn_generator
-from nemo_gym_prorl.service.rollout import run_rollouts
+from nemo_gym_prorl.service.client import RolloutClient
+from nemo_gym_prorl.service.orchestrator import JobRequest
+from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
+from nemo_gym_prorl.service.runtime import ModelConfig, SandboxConfig, ServiceConfig, ServiceRuntime, ServiceSettings
 from nemo_gym_prorl.service.trajectory import Trajectory
-from nemo_gym_prorl.tool_calls import ToolCallFormatName, tool_call_format
 
 
 class TaskChoice(BaseModel):
@@ -29,23 +28,18 @@ class TaskChoice(BaseModel):
     name: str = Field(description="a task YAML under tasks/, e.g. math/arithmetic")
 
 
-class ModelChoice(LocalModelConfig):
+class RemoteService(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["local"]
-    tool_call_format: ToolCallFormatName = "codeact"
-    generation_mode: GenerationMode = "tokens"
-
-
-class SandboxChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    backend: Literal["bwrap"]
+    url: str | None = Field(None, description="a running `prorl serve`; unset: run the service in-process")
+    token: str | None = None
 
 
 class RolloutJobConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     task: TaskChoice
-    model: ModelChoice
-    sandbox: SandboxChoice
+    model: ModelConfig
+    sandbox: SandboxConfig
+    service: RemoteService = Field(default_factory=RemoteService)
     n_samples: int = Field(1, ge=1)
     limit: int | None = Field(None, ge=1)
     concurrency: int = Field(4, ge=1)
@@ -62,29 +56,38 @@ class RolloutSink(Protocol):
     def add(self, trajectory: Trajectory) -> None: ...
 
 
-def sample_seed(base: int, instance_id: str, sample: int) -> int:
-    """A seed per (instance, sample) that reruns reproduce and that differs across a GRPO group."""
-    digest = hashlib.sha256(f"{base}:{instance_id}:{sample}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
+def in_process_service(config: RolloutJobConfig) -> ServiceConfig:
+    stage = StageConfig(workers=config.concurrency)
+    pipeline = PipelineConfig(init=stage, run=stage, eval=stage, max_live_sandboxes=config.concurrency)
+    settings = ServiceSettings(tasks=[config.task.name], store=Path(":memory:"), pipeline=pipeline)
+    return ServiceConfig(service=settings, model=config.model, sandbox=config.sandbox)
 
 
 async def run_job(config: RolloutJobConfig, sink: RolloutSink | None = None) -> list[Trajectory]:
     task = load_task(config.task.name)
     instances = load_instances(task.dataset, config.limit)
-    env = make_environment(task, config.sandbox.backend)
-    tool_format = tool_call_format(task.tool_call_format or config.model.tool_call_format)
-    tokenizer = Tokenizer.from_gguf(config.model.gguf or default_gguf())
+    if sink is not None:
+        sink.expect(len(instances) * config.n_samples)
     async with AsyncExitStack() as stack:
-        server = await stack.enter_async_context(LocalModelServer(config.model))
-        http = await stack.enter_async_context(httpx.AsyncClient(timeout=httpx.Timeout(600.0)))
-        post = http_poster(http, server.base_url)
+        if config.service.url is None:
+            runtime = await stack.enter_async_context(ServiceRuntime(in_process_service(config)))
+            assert runtime.orchestrator is not None
+            client = RolloutClient.in_process(runtime.orchestrator)
+        else:
+            client = await stack.enter_async_context(RolloutClient(config.service.url, config.service.token))
+        sampling = config.sampling.model_copy(update={"seed": config.seed})
 
-        def agent_for(instance: TaskInstance, sample: int) -> AgentLoop:
-            sampling = config.sampling.model_copy(update={"seed": sample_seed(config.seed, instance.instance_id, sample)})
-            generator = turn_generator(config.model.generation_mode, post, config.model.served_model_name, sampling, tokenizer)
-            return AgentLoop(generator, tool_format, task.max_turns)
+        async def one_instance(instance: TaskInstance) -> list[Trajectory]:
+            request = JobRequest(
+                task=task.name, instance=instance.data, instance_id=instance.instance_id, sampling_params=sampling, n=config.n_samples
+            )
+            job_id = await client.submit(request)
+            trajectories = []
+            async for _, trajectory in client.stream(job_id):
+                trajectories.append(trajectory)
+                if sink is not None:
+                    sink.add(trajectory)
+            return trajectories
 
-        jobs = [(instance, agent_for(instance, s)) for instance in instances for s in range(config.n_samples)]
-        if sink is not None:
-            sink.expect(len(jobs))
-        return await run_rollouts(jobs, env, config.concurrency, sink.add if sink else None)
+        per_instance = await asyncio.gather(*(one_instance(instance) for instance in instances))
+    return [t for trajectories in per_instance for t in trajectories]

@@ -1,0 +1,125 @@
+"""A deterministic, instant stand-in model server: the same OpenAI-compatible surface as the real one, with
+scripted replies, for benchmarks and fault tests where the model's speed or randomness must not matter.
+
+The reply to a request is ``script[k]``, k = the number of assistant turns already in the conversation (the last
+entry repeats). Token ids come from the real model's tokenizer, so rollouts through it are token-faithful and
+contiguous exactly as with a real server. ``latency_s`` simulates generation time and ``max_concurrency`` bounds
+how many requests are "on the GPU" at once.
+
+    python -m nemo_gym_prorl.models.standin --port 0 --script '```bash\\necho 1\\n```' '\\boxed{1}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import sys
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from nemo_gym_prorl.models.local_model import default_gguf
+from nemo_gym_prorl.models.server import READY_LINE
+from nemo_gym_prorl.models.tokenizer import Tokenizer
+
+
+def create_standin_app(
+    tokenizer: Tokenizer, script: list[str], latency_s: float = 0.0, max_concurrency: int | None = None
+) -> FastAPI:
+    if not script:
+        raise ValueError("the stand-in model needs at least one scripted reply")
+    replies = [tokenizer.encode(text) + [tokenizer.eos_token_id] for text in script]
+    assistant_start = tokenizer.encode(tokenizer.chat_template.render([], add_generation_prompt=True))
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    app = FastAPI(title="nemo-gym-prorl stand-in model")
+    app.state.requests = 0
+
+    def turns_in(prompt: list[int]) -> int:
+        """Assistant turns already in a token prompt: occurrences of the generation prompt, minus the open one."""
+        first, width = assistant_start[0], len(assistant_start)
+        n = sum(1 for i, token in enumerate(prompt) if token == first and prompt[i : i + width] == assistant_start)
+        return max(n - 1, 0)
+
+    async def generate(k: int) -> list[int]:
+        app.state.requests += 1
+        if gate is None:
+            if latency_s:
+                await asyncio.sleep(latency_s)
+        else:
+            async with gate:
+                if latency_s:
+                    await asyncio.sleep(latency_s)
+        return replies[min(k, len(replies) - 1)]
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "standin", "object": "model", "owned_by": "nemo-gym-prorl"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: dict[str, Any]) -> dict[str, Any]:
+        prompt = body["prompt"]
+        ids = await generate(turns_in(prompt))
+        choice = {
+            "index": 0,
+            "text": tokenizer.decode(ids),
+            "token_ids": ids,
+            "prompt_token_ids": prompt,
+            "logprobs": {"token_logprobs": [-0.1] * len(ids)},
+            "finish_reason": "stop",
+        }
+        return {"id": "cmpl-standin", "object": "text_completion", "choices": [choice], "prompt_token_ids": prompt}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict[str, Any]) -> dict[str, Any]:
+        messages = body["messages"]
+        earlier = [m for m in messages if m.get("role") == "assistant"]
+        ids = await generate(len(earlier))
+        template = tokenizer.chat_template
+        if earlier and "generation_token_ids" in earlier[-1]:
+            last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+            tail = template.continuation_text(messages[: last + 1], messages[last + 1 :], body.get("tools"), True)
+            prompt = earlier[-1]["prompt_token_ids"] + earlier[-1]["generation_token_ids"] + tokenizer.encode(tail)
+        else:
+            prompt = tokenizer.encode(template.render(messages, body.get("tools"), add_generation_prompt=True))
+        message = {
+            "role": "assistant",
+            "content": tokenizer.decode(ids),
+            "prompt_token_ids": prompt,
+            "generation_token_ids": ids,
+            "generation_log_probs": [-0.1] * len(ids),
+        }
+        return {"id": "chatcmpl-standin", "object": "chat.completion", "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+
+    return app
+
+
+def standin_argv(script: list[str], latency_s: float = 0.0, max_concurrency: int | None = None) -> list[str]:
+    """The command that starts this server (for `ModelServerProcess`)."""
+    argv = [sys.executable, "-m", "nemo_gym_prorl.models.standin", "--latency-s", str(latency_s)]
+    if max_concurrency:
+        argv += ["--max-concurrency", str(max_concurrency)]
+    return [*argv, "--script", *script]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="deterministic instant stand-in model server")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--latency-s", type=float, default=0.0)
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--script", nargs="+", required=True)
+    args = parser.parse_args(argv)
+    app = create_standin_app(Tokenizer.from_gguf(default_gguf()), args.script, args.latency_s, args.max_concurrency)
+    sock = socket.create_server((args.host, args.port))
+    print(f"{READY_LINE} {sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""The rollout service's HTTP API.
+
+- ProRL Agent-compatible: ``POST /process`` (blocking, one trajectory), ``/start``, ``/stop``, ``GET /status``,
+  ``/add_llm_server``, ``/clear_llm_server``, ``/cancel``. ``/stop`` pauses the pipeline (queued work waits, work in
+  a stage goes on) instead of tearing the server down every training step; ``/start`` resumes it.
+- Non-blocking jobs: ``POST /jobs`` → id; ``GET /jobs/{id}``; ``POST /jobs/{id}/cancel``; ``GET /jobs/{id}/stream``
+  (NDJSON, one line per sample as it finishes).
+- ``POST /llm/pause`` / ``/llm/resume`` for weight sync; ``GET /metrics`` (Prometheus); the OpenAPI document.
+- NeMo Gym's agent ``POST /run`` lives in ``gym_agent.py``.
+
+Bad input is a 4xx whose message names the field; an accepted job is durable before its id is returned.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from nemo_gym_prorl.models.engine import SamplingParams
+from nemo_gym_prorl.service.metrics import ServiceMetrics
+from nemo_gym_prorl.service.orchestrator import JobConflict, JobRequest, JobView, Orchestrator, RejectedJob
+from nemo_gym_prorl.service.trajectory import Trajectory
+
+
+class ProcessRequest(BaseModel):
+    """ProRL's ``/process`` body."""
+
+    model_config = ConfigDict(extra="forbid")
+    instance: dict[str, Any]
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    job_id: str | None = None
+    task: str | None = None
+
+
+class AddressRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    address: str
+
+
+class JobIdRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    job_id: str
+
+
+class Accepted(BaseModel):
+    job_id: str
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _error(status: int, message: str, field: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "field": field, "code": status}}, status_code=status)
+
+
+def bearer_guard(token: str | None) -> Any:
+    """A route dependency: with a token set, requests must carry ``Authorization: Bearer <token>``."""
+
+    async def authorized(request: Request) -> None:
+        if token is None:
+            return
+        supplied = request.headers.get("authorization", "")
+        if not secrets.compare_digest(supplied.encode(), f"Bearer {token}".encode()):
+            raise HTTPException(401, "missing or wrong bearer token")
+
+    return Depends(authorized)
+
+
+def create_app(orchestrator: Orchestrator, token: str | None = None, max_body_bytes: int = 8 << 20) -> FastAPI:
+    """The app over a running orchestrator; with `token`, every route but /health wants ``Bearer <token>``."""
+    app = FastAPI(title="nemo-gym-prorl rollout service", version="1")
+    metrics = ServiceMetrics(orchestrator)
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next: Any) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            return _error(413, f"request body larger than {max_body_bytes} bytes")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
+        return _error(422, f"{field}: {first['msg']}", field)
+
+    @app.exception_handler(RejectedJob)
+    async def _rejected(_: Request, exc: RejectedJob) -> JSONResponse:
+        return _error(422, str(exc), exc.field)
+
+    @app.exception_handler(JobConflict)
+    async def _conflict(_: Request, exc: JobConflict) -> JSONResponse:
+        return _error(409, f"job_id {exc.args[0]!r} exists already", "job_id")
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    guarded = [bearer_guard(token)]
+
+    # -- ProRL-compatible --------------------------------------------------------------------------------------
+
+    @app.post("/process", dependencies=guarded)
+    async def process(body: ProcessRequest) -> Trajectory:
+        job_id = orchestrator.submit(
+            JobRequest(task=body.task, instance=body.instance, sampling_params=body.sampling_params, job_id=body.job_id)
+        )
+        view = await orchestrator.wait(job_id)
+        return view.results[0]
+
+    @app.post("/start", dependencies=guarded)
+    async def start() -> dict[str, Any]:
+        orchestrator.pipeline.resume()
+        return orchestrator.status()
+
+    @app.post("/stop", dependencies=guarded)
+    async def stop() -> dict[str, Any]:
+        orchestrator.pipeline.pause()
+        return orchestrator.status()
+
+    @app.get("/status", dependencies=guarded)
+    async def status() -> dict[str, Any]:
+        return orchestrator.status()
+
+    @app.post("/add_llm_server", dependencies=guarded)
+    async def add_llm_server(body: AddressRequest) -> dict[str, Any]:
+        try:
+            address = orchestrator.pool.add(body.address)
+        except ValueError as e:
+            raise RejectedJob("address", str(e)) from None
+        return {"address": address, "backends": [b.model_dump() for b in orchestrator.pool.backends()]}
+
+    @app.post("/clear_llm_server", dependencies=guarded)
+    async def clear_llm_server() -> dict[str, Any]:
+        orchestrator.pool.clear()
+        return {"backends": []}
+
+    @app.post("/cancel", dependencies=guarded)
+    async def cancel(body: JobIdRequest) -> dict[str, Any]:
+        if not await orchestrator.cancel(body.job_id):
+            raise HTTPException(404, f"no job {body.job_id!r}")
+        return {"job_id": body.job_id, "cancelled": True}
+
+    # -- non-blocking jobs ---------------------------------------------------------------------------------------
+
+    @app.post("/jobs", status_code=202, dependencies=guarded)
+    async def submit(body: JobRequest) -> Accepted:
+        return Accepted(job_id=orchestrator.submit(body))
+
+    @app.get("/jobs/{job_id}", dependencies=guarded)
+    async def get_job(job_id: str) -> JobView:
+        view = orchestrator.view(job_id)
+        if view is None:
+            raise HTTPException(404, f"no job {job_id!r}")
+        return view
+
+    @app.post("/jobs/{job_id}/cancel", dependencies=guarded)
+    async def cancel_job(job_id: str) -> JobView:
+        if not await orchestrator.cancel(job_id):
+            raise HTTPException(404, f"no job {job_id!r}")
+        view = orchestrator.view(job_id)
+        assert view is not None
+        return view
+
+    @app.get("/jobs/{job_id}/stream", dependencies=guarded)
+    async def stream_job(job_id: str) -> StreamingResponse:
+        if orchestrator.view(job_id) is None:
+            raise HTTPException(404, f"no job {job_id!r}")
+
+        async def lines() -> AsyncIterator[bytes]:
+            async for sample, trajectory in orchestrator.stream(job_id):
+                yield (f'{{"sample": {sample}, "trajectory": {trajectory.model_dump_json()}}}\n').encode()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    # -- weight sync and metrics ---------------------------------------------------------------------------------
+
+    @app.post("/llm/pause", dependencies=guarded)
+    async def pause_llm() -> dict[str, Any]:
+        await orchestrator.pool.pause()
+        return {"paused": True, "in_flight": orchestrator.pool.in_flight}
+
+    @app.post("/llm/resume", dependencies=guarded)
+    async def resume_llm() -> dict[str, Any]:
+        orchestrator.pool.resume()
+        return {"paused": False}
+
+    @app.get("/metrics", dependencies=guarded)
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,188 @@
+"""Clients of the rollout service, for trainers: async over HTTP, sync over HTTP, and in-process.
+
+    async with RolloutClient("http://127.0.0.1:8100") as client:
+        job_id = await client.submit(JobRequest(instance=row, sampling_params=params, n=8))
+        async for sample, trajectory in client.stream(job_id):
+            ...
+
+    with SyncRolloutClient("http://127.0.0.1:8100") as client:
+        view = client.wait(client.submit(JobRequest(instance=row, n=8)))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Protocol, Self
+
+import httpx
+
+from nemo_gym_prorl.models.engine import SamplingParams
+from nemo_gym_prorl.service.orchestrator import JobRequest, JobView, Orchestrator
+from nemo_gym_prorl.service.trajectory import Trajectory
+
+
+class ServiceError(Exception):
+    """The service refused a request; `field` names what was wrong when it says."""
+
+    def __init__(self, status: int, message: str, field: str | None = None) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+        self.field = field
+
+
+class RolloutService(Protocol):
+    async def submit(self, request: JobRequest) -> str: ...
+
+    async def get(self, job_id: str) -> JobView: ...
+
+    async def cancel(self, job_id: str) -> JobView: ...
+
+    def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]: ...
+
+
+class RolloutClient:
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        # Streams and blocking /process calls last as long as rollouts do: no read timeout on them.
+        self._http = httpx.AsyncClient(
+            base_url=url.rstrip("/"), headers=headers, timeout=httpx.Timeout(timeout_s, read=None), trust_env=False
+        )
+
+    @staticmethod
+    def in_process(orchestrator: Orchestrator) -> LocalRolloutClient:
+        return LocalRolloutClient(orchestrator)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, body: Any = None) -> Any:
+        response = await self._http.request(method, path, json=body)
+        _raise_for_error(response)
+        return response.json()
+
+    async def submit(self, request: JobRequest) -> str:
+        return (await self._call("POST", "/jobs", request.model_dump(mode="json", exclude_none=True)))["job_id"]
+
+    async def get(self, job_id: str) -> JobView:
+        return JobView.model_validate(await self._call("GET", f"/jobs/{job_id}"))
+
+    async def cancel(self, job_id: str) -> JobView:
+        return JobView.model_validate(await self._call("POST", f"/jobs/{job_id}/cancel"))
+
+    async def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]:
+        async with self._http.stream("GET", f"/jobs/{job_id}/stream") as response:
+            if response.status_code >= 400:
+                await response.aread()
+                _raise_for_error(response)
+            async for line in response.aiter_lines():
+                if line.strip():
+                    item = json.loads(line)
+                    yield item["sample"], Trajectory.model_validate(item["trajectory"])
+
+    async def wait(self, job_id: str) -> JobView:
+        async for _ in self.stream(job_id):
+            pass
+        return await self.get(job_id)
+
+    async def process(self, instance: dict[str, Any], sampling_params: SamplingParams | None = None, task: str | None = None) -> Trajectory:
+        body = {"instance": instance, "task": task, "sampling_params": (sampling_params or SamplingParams()).model_dump()}
+        return Trajectory.model_validate(await self._call("POST", "/process", body))
+
+    async def status(self) -> dict[str, Any]:
+        return await self._call("GET", "/status")
+
+    async def add_llm_server(self, address: str) -> dict[str, Any]:
+        return await self._call("POST", "/add_llm_server", {"address": address})
+
+    async def clear_llm_servers(self) -> None:
+        await self._call("POST", "/clear_llm_server")
+
+    async def pause_llm(self) -> None:
+        await self._call("POST", "/llm/pause")
+
+    async def resume_llm(self) -> None:
+        await self._call("POST", "/llm/resume")
+
+
+def _raise_for_error(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        error = response.json()["error"]
+        raise ServiceError(response.status_code, error["message"], error.get("field"))
+    except (ValueError, KeyError, TypeError):
+        raise ServiceError(response.status_code, response.text) from None
+
+
+class LocalRolloutClient:
+    """The same calls on an orchestrator in this process (``prorl rollout`` without ``service.url``)."""
+
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self._orchestrator = orchestrator
+
+    async def submit(self, request: JobRequest) -> str:
+        return self._orchestrator.submit(request)
+
+    async def get(self, job_id: str) -> JobView:
+        view = self._orchestrator.view(job_id)
+        if view is None:
+            raise ServiceError(404, f"no job {job_id!r}")
+        return view
+
+    async def cancel(self, job_id: str) -> JobView:
+        await self._orchestrator.cancel(job_id)
+        return await self.get(job_id)
+
+    async def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]:
+        async for item in self._orchestrator.stream(job_id):
+            yield item
+
+
+class SyncRolloutClient:
+    """RolloutClient for synchronous code: each call runs on a private event loop."""
+
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._client = RolloutClient(url, token, timeout_s)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self._client.__aexit__())
+        self._loop.close()
+
+    def submit(self, request: JobRequest) -> str:
+        return self._loop.run_until_complete(self._client.submit(request))
+
+    def get(self, job_id: str) -> JobView:
+        return self._loop.run_until_complete(self._client.get(job_id))
+
+    def cancel(self, job_id: str) -> JobView:
+        return self._loop.run_until_complete(self._client.cancel(job_id))
+
+    def wait(self, job_id: str) -> JobView:
+        return self._loop.run_until_complete(self._client.wait(job_id))
+
+    def stream(self, job_id: str) -> Iterator[tuple[int, Trajectory]]:
+        items = self._client.stream(job_id)
+        while True:
+            try:
+                yield self._loop.run_until_complete(anext(items))
+            except StopAsyncIteration:
+                return
+
+    def process(self, instance: dict[str, Any], sampling_params: SamplingParams | None = None, task: str | None = None) -> Trajectory:
+        return self._loop.run_until_complete(self._client.process(instance, sampling_params, task))
+
+    def status(self) -> dict[str, Any]:
+        return self._loop.run_until_complete(self._client.status())

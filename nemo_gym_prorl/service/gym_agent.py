@@ -1,0 +1,136 @@
+"""NeMo Gym's agent ``POST /run`` on the rollout service: a Gym dataset row in, a Gym verify response out.
+
+NeMo RL's GRPO calls ``/run`` once per row and trains on the output items that carry ``prompt_token_ids``,
+``generation_token_ids`` and ``generation_log_probs``. Each assistant turn becomes a ``message`` item (its text) and
+``function_call`` items (its tool calls), with the turn's token fields on the last of them; tool results become
+``function_call_output`` items. The row's sampling parameters (``temperature``, ``top_p``, ``max_output_tokens``)
+pass through unchanged. Extra row keys (``_rowidx``, ``_ng_task_index``, …) are accepted; every call is a fresh
+rollout, so calling again for the same row is safe.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI
+from nemo_gym.base_resources_server import BaseVerifyResponse
+from nemo_gym.failure_kinds import AGENT_RUN_ERROR, AGENT_TIMEOUT, CANCELLED, PROVIDER_UNAVAILABLE, VERIFIER_ERROR
+from pydantic import BaseModel, ConfigDict, Field
+
+from nemo_gym_prorl.models.engine import SamplingParams
+from nemo_gym_prorl.service.app import bearer_guard
+from nemo_gym_prorl.service.orchestrator import JobRequest, Orchestrator
+from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory
+
+_FAILURE_KINDS = {
+    "init": PROVIDER_UNAVAILABLE,
+    "run": AGENT_RUN_ERROR,
+    "eval": VERIFIER_ERROR,
+    "timeout": AGENT_TIMEOUT,
+    "cancelled": CANCELLED,
+}
+# Row keys that are Gym's bookkeeping, not task data.
+_GYM_KEYS = {"responses_create_params", "agent_ref", "_ng_rollout_id"}
+
+
+class GymRunRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    responses_create_params: dict[str, Any] = Field(default_factory=dict)
+    task: str | None = Field(None, description="which of the service's tasks the row belongs to")
+
+
+def row_sampling(params: dict[str, Any]) -> SamplingParams:
+    """The row's Responses-API sampling parameters, unchanged, as ours."""
+    values: dict[str, Any] = {}
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("max_tokens", "max_output_tokens")):
+        if params.get(theirs) is not None:
+            values[ours] = params[theirs]
+    if params.get("seed") is not None:
+        values["seed"] = params["seed"]
+    return SamplingParams(**values)
+
+
+def gym_output_items(trajectory: Trajectory) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    pending_calls: list[str] = []
+    for message in trajectory.messages:
+        role = message.get("role")
+        if role == "assistant" and "generation_token_ids" in message:
+            turn: list[dict[str, Any]] = []
+            if message.get("content"):
+                turn.append(
+                    {
+                        "id": f"msg_{uuid.uuid4().hex[:16]}",
+                        "type": "message",
+                        "role": "assistant",
+                        "status": "completed",
+                        "content": [{"type": "output_text", "text": message["content"], "annotations": []}],
+                    }
+                )
+            pending_calls = []
+            for call in message.get("tool_calls") or []:
+                pending_calls.append(call["id"])
+                turn.append(
+                    {
+                        "type": "function_call",
+                        "call_id": call["id"],
+                        "name": call["function"]["name"],
+                        "arguments": call["function"]["arguments"],
+                        "status": "completed",
+                    }
+                )
+            if not turn:  # an empty reply still carries its tokens (e.g. just the end-of-turn token)
+                turn.append({"id": f"msg_{uuid.uuid4().hex[:16]}", "type": "message", "role": "assistant", "status": "completed", "content": []})
+            turn[-1].update({field: message[field] for field in TOKEN_FIELDS})
+            items += turn
+        elif pending_calls and role in ("tool", "user"):
+            # tool results follow their assistant turn in call order (codeact sends them as user messages)
+            items.append({"type": "function_call_output", "call_id": pending_calls.pop(0), "output": message.get("content") or ""})
+        else:
+            pending_calls = []
+    return items
+
+
+def gym_verify_response(row: GymRunRequest, trajectory: Trajectory, model: str) -> dict[str, Any]:
+    masked = trajectory.critical_error is not None or any(m.get("mask") for m in trajectory.messages)
+    response = {
+        "id": f"resp_{trajectory.trajectory_id}",
+        "object": "response",
+        "created_at": time.time(),
+        "model": model,
+        "output": gym_output_items(trajectory),
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+    }
+    body = {
+        **row.model_dump(exclude={"task"}),
+        "response": response,
+        "reward": trajectory.reward,
+        "mask_sample": masked,
+        "failure_kind": _FAILURE_KINDS.get(trajectory.critical_error or ""),
+        "failure_reason": trajectory.error,
+    }
+    BaseVerifyResponse.model_validate(body)  # the shape Gym and NeMo RL read; fails loudly here, not there
+    return body | {
+        "resolved": trajectory.resolved,
+        "finish": trajectory.finish,
+        "critical_error": trajectory.critical_error,
+        "evaluation": trajectory.evaluation,
+        "timing": trajectory.timing.model_dump(),
+        "instance_id": trajectory.instance_id,
+        "trajectory_id": trajectory.trajectory_id,
+    }
+
+
+def add_gym_agent_routes(app: FastAPI, orchestrator: Orchestrator, token: str | None) -> None:
+    @app.post("/run", dependencies=[bearer_guard(token)])
+    async def run(row: GymRunRequest) -> dict[str, Any]:
+        instance = {k: v for k, v in (row.model_extra or {}).items() if k not in _GYM_KEYS}
+        job_id = orchestrator.submit(
+            JobRequest(task=row.task, instance=instance, sampling_params=row_sampling(row.responses_create_params))
+        )
+        view = await orchestrator.wait(job_id)
+        return gym_verify_response(row, view.results[0], orchestrator.model.name)

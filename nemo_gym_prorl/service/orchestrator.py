@@ -1,0 +1,302 @@
+"""The orchestrator: jobs in, rollouts through the pipeline, results durable and streamed out.
+
+It never knows which sandbox backend or task type it runs: environments come from task YAMLs, the model from the
+LLM pool. A job is one task instance with sampling parameters and ``n`` samples (a GRPO group); each sample is a
+rollout through init → run → eval, and each finished trajectory is stored before anyone is told about it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from nemo_gym_prorl.envs import Environment, make_environment
+from nemo_gym_prorl.envs.dataset import TaskInstance
+from nemo_gym_prorl.envs.task import TaskConfig
+from nemo_gym_prorl.models.engine import SamplingParams
+from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.service.agent_loop import AgentLoop
+from nemo_gym_prorl.service.llm_client import GenerationMode, turn_generator
+from nemo_gym_prorl.service.llm_pool import LLMPool
+from nemo_gym_prorl.service.pipeline import RolloutPipeline, Rollout, Stage
+from nemo_gym_prorl.service.store import JobStore, RecoveryPolicy, StoredJob
+from nemo_gym_prorl.service.trajectory import Trajectory
+from nemo_gym_prorl.tool_calls import ToolCallFormatName, tool_call_format
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+class Deadlines(BaseModel):
+    """Per-job deadlines in seconds of stage time (queue time never counts); unset ones use the service's."""
+
+    model_config = ConfigDict(extra="forbid")
+    init_s: float | None = Field(None, gt=0)
+    run_s: float | None = Field(None, gt=0)
+    eval_s: float | None = Field(None, gt=0)
+    total_s: float | None = Field(None, gt=0)
+
+
+class JobRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    task: str | None = Field(None, description="a task the service runs; its first task when unset")
+    instance: dict[str, Any] = Field(description="one dataset row of that task")
+    instance_id: str | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    n: int = Field(1, ge=1, description="samples of this instance (a GRPO group)")
+    job_id: str | None = None
+    deadlines: Deadlines = Field(default_factory=Deadlines)
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id_shape(cls, job_id: str | None) -> str | None:
+        if job_id is not None and not _JOB_ID.match(job_id):
+            raise ValueError("job_id must be 1-128 characters of letters, digits, _ . : -")
+        return job_id
+
+
+class JobView(BaseModel):
+    job_id: str
+    state: str
+    n: int
+    finished: int
+    results: list[Trajectory]
+
+
+class RejectedJob(ValueError):
+    """A job that cannot be accepted; the message names the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class JobConflict(KeyError):
+    """A job with this id exists already."""
+
+
+class ModelSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(description="model name sent to the backends")
+    generation_mode: GenerationMode = "tokens"
+    tool_call_format: ToolCallFormatName = "codeact"
+
+
+class _LiveJob:
+    def __init__(self) -> None:
+        self.rollouts: list[Rollout] = []
+        self.finished = asyncio.Condition()
+
+
+def sample_seed(base: int, instance_id: str, sample: int) -> int:
+    """A seed per (instance, sample) that reruns reproduce and that differs across a GRPO group."""
+    return int.from_bytes(hashlib.sha256(f"{base}:{instance_id}:{sample}".encode()).digest()[:4], "little")
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        tasks: list[TaskConfig],
+        sandbox_backend: str,
+        model: ModelSettings,
+        tokenizer: Tokenizer | None,
+        pool: LLMPool,
+        pipeline: RolloutPipeline,
+        store: JobStore,
+        max_n: int = 1024,
+    ) -> None:
+        if not tasks:
+            raise ValueError("the service needs at least one task")
+        self.envs: dict[str, Environment] = {t.name: make_environment(t, sandbox_backend) for t in tasks}
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.pipeline = pipeline
+        self.store = store
+        self.max_n = max_n
+        self._live: dict[str, _LiveJob] = {}
+        self.finished_rollouts: Counter[str] = Counter()
+        self.reward_sum = 0.0
+        self._closing = False
+
+    # -- jobs ----------------------------------------------------------------------------------------------------
+
+    def submit(self, request: JobRequest) -> str:
+        """Accept a job (durably) and start its rollouts; RejectedJob / JobConflict when it cannot be."""
+        env = self._env(request.task)
+        if request.n > self.max_n:
+            raise RejectedJob("n", f"at most {self.max_n} samples per job, got {request.n}")
+        instance = self._instance(env, request)
+        job_id = request.job_id or uuid.uuid4().hex
+        try:
+            self.store.add_job(job_id, request.model_dump(mode="json") | {"job_id": job_id}, request.n)
+        except KeyError:
+            raise JobConflict(job_id) from None
+        self._start(job_id, request, env, instance, range(request.n))
+        return job_id
+
+    def _env(self, task: str | None) -> Environment:
+        if task is None:
+            return next(iter(self.envs.values()))
+        if task not in self.envs:
+            raise RejectedJob("task", f"unknown task {task!r}; this service runs: {', '.join(self.envs)}")
+        return self.envs[task]
+
+    @staticmethod
+    def _instance(env: Environment, request: JobRequest) -> TaskInstance:
+        id_key = env.task.dataset.id_key
+        instance_id = request.instance_id or str(request.instance.get(id_key or "", "")) or "instance"
+        instance = TaskInstance(instance_id=instance_id, data=request.instance)
+        try:
+            env.prompt_messages(instance)
+        except ValueError as e:
+            raise RejectedJob("instance", str(e)) from None
+        return instance
+
+    def _start(self, job_id: str, request: JobRequest, env: Environment, instance: TaskInstance, samples: range | list[int]) -> None:
+        live = self._live.setdefault(job_id, _LiveJob())
+        deadlines: dict[Stage, float | None] = {}
+        for stage in ("init", "run", "eval"):
+            value = getattr(request.deadlines, f"{stage}_s")
+            if value is not None:
+                deadlines[stage] = value  # type: ignore[index]
+        rollouts = []
+        for sample in samples:
+            trajectory_id = f"{job_id}:{sample}"
+            sampling = request.sampling_params
+            if sampling.seed is not None:  # reproducible, and different across the samples of a group
+                sampling = sampling.model_copy(update={"seed": sample_seed(sampling.seed, instance.instance_id, sample)})
+            generator = turn_generator(
+                self.model.generation_mode, self.pool.poster(trajectory_id), self.model.name, sampling, self.tokenizer
+            )
+            fmt = tool_call_format(env.task.tool_call_format or self.model.tool_call_format)
+            rollout = Rollout(
+                env=env,
+                agent=AgentLoop(generator, fmt, env.task.max_turns),
+                instance=instance,
+                job_deadline_s=request.deadlines.total_s,
+                stage_deadlines_s=deadlines,
+            )
+            rollout.trajectory.trajectory_id = trajectory_id
+            rollout.done.add_done_callback(lambda f, s=sample: self._record(job_id, s, f.result()))
+            rollouts.append(rollout)
+        live.rollouts += rollouts
+        self.store.set_state(job_id, "running")
+        self.pipeline.submit(rollouts)
+
+    def _record(self, job_id: str, sample: int, trajectory: Trajectory) -> None:
+        if self._closing:  # stopped by the shutdown, not finished: the job stays in flight for `recover`
+            return
+        self.store.add_result(job_id, sample, trajectory)
+        self.finished_rollouts[trajectory.critical_error or "ok"] += 1
+        self.reward_sum += trajectory.reward
+        self.pool.release(trajectory.trajectory_id)
+        job = self.store.job(job_id)
+        live = self._live.get(job_id)
+        if job is not None and len(self.store.result_samples(job_id)) >= job.n:
+            if job.state == "running":
+                self.store.set_state(job_id, "done")
+            self._live.pop(job_id, None)
+        if live is not None:
+            asyncio.get_running_loop().create_task(self._notify(live))
+
+    @staticmethod
+    async def _notify(live: _LiveJob) -> None:
+        async with live.finished:
+            live.finished.notify_all()
+
+    def view(self, job_id: str) -> JobView | None:
+        job = self.store.job(job_id)
+        if job is None:
+            return None
+        results = self.store.results(job_id)
+        return JobView(job_id=job_id, state=job.state, n=job.n, finished=len(results), results=list(results.values()))
+
+    async def cancel(self, job_id: str) -> bool:
+        """Cancel every unfinished sample of a job; their sandboxes are freed before this returns."""
+        job = self.store.job(job_id)
+        if job is None:
+            return False
+        live = self._live.get(job_id)
+        if job.state in ("queued", "running"):
+            self.store.set_state(job_id, "cancelled")
+        if live is not None:
+            await asyncio.gather(*(self.pipeline.cancel(r) for r in live.rollouts))
+        return True
+
+    async def wait(self, job_id: str) -> JobView:
+        """The job once every sample has finished."""
+        async for _ in self.stream(job_id):
+            pass
+        view = self.view(job_id)
+        assert view is not None
+        return view
+
+    async def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]:
+        """(sample, trajectory) as each finishes, starting with those already finished."""
+        job = self.store.job(job_id)
+        if job is None:
+            raise KeyError(job_id)
+        sent: set[int] = set()
+        while True:
+            live = self._live.get(job_id)
+            for sample in sorted(self.store.result_samples(job_id) - sent):
+                trajectory = self.store.result(job_id, sample)
+                assert trajectory is not None
+                sent.add(sample)
+                yield sample, trajectory
+            if len(sent) >= job.n or live is None:
+                return
+            async with live.finished:
+                if len(self.store.result_samples(job_id)) == len(sent):
+                    await live.finished.wait()
+
+    async def close(self) -> None:
+        """Stop the pipeline; rollouts it cuts short are not recorded, so a restart recovers their jobs."""
+        self._closing = True
+        await self.pipeline.close()
+
+    # -- restart -------------------------------------------------------------------------------------------------
+
+    def recover(self, policy: RecoveryPolicy) -> list[str]:
+        """Jobs that were in flight when the service stopped: run their unfinished samples again, or fail them."""
+        recovered = []
+        for job in self.store.unfinished_jobs():
+            request = JobRequest.model_validate({k: v for k, v in job.request.items() if k != "job_id"} | {"job_id": job.job_id})
+            done = self.store.result_samples(job.job_id)
+            missing = [s for s in range(job.n) if s not in done]
+            if policy == "requeue" and request.task in (None, *self.envs):
+                env = self._env(request.task)
+                self._start(job.job_id, request, env, self._instance(env, request), missing)
+            else:
+                self._fail_unfinished(job, missing, "the service restarted while this sample was in flight")
+            recovered.append(job.job_id)
+        return recovered
+
+    def _fail_unfinished(self, job: StoredJob, samples: list[int], reason: str) -> None:
+        for sample in samples:
+            instance_id = str(job.request.get("instance_id") or "instance")
+            trajectory = Trajectory(
+                instance_id=instance_id,
+                trajectory_id=f"{job.job_id}:{sample}",
+                finish="error",
+                critical_error="cancelled",
+                error=reason,
+            )
+            self.store.add_result(job.job_id, sample, trajectory)
+        self.store.set_state(job.job_id, "done")
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "paused": self.pipeline.paused,
+            "stages": self.pipeline.status(),
+            "live_rollouts": self.pipeline.live,
+            "jobs": self.store.counts(),
+            "llm_backends": [b.model_dump() for b in self.pool.backends()],
+        }

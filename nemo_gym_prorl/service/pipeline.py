@@ -1,0 +1,278 @@
+"""The three-stage rollout pipeline: init → run → eval, each with its own queue and bounded worker pool.
+
+Why stages: inits and evals are slow and bursty (sandbox start, test runs) while the run stage mostly waits on the
+model. With one semaphore around init → run → eval, a slow eval holds a slot the model could be using; with
+stages, each kind of work has its own concurrency and a rollout waiting for eval does not block one that could
+generate. Live sandboxes are capped separately (a slot is taken before init and given back when the sandbox is
+closed).
+
+Deadlines count stage time only, never queue time: each stage has its own, and a rollout's stages together have
+the job's. Cancelling a rollout frees its sandbox at once, whatever stage or queue it is in. Every rollout ends in
+a trajectory whose ``critical_error`` says what ended it (init/run/eval/timeout/cancelled, or None).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from nemo_gym_prorl.envs.base import Environment, Episode
+from nemo_gym_prorl.envs.dataset import TaskInstance
+from nemo_gym_prorl.service.agent_loop import AgentLoop, AgentOutcome
+from nemo_gym_prorl.service.trajectory import Trajectory
+
+Stage = Literal["init", "run", "eval"]
+STAGES: tuple[Stage, ...] = ("init", "run", "eval")
+
+
+class StageConfig(BaseModel):
+    workers: int = Field(ge=1)
+    deadline_s: float | None = Field(None, gt=0)
+
+
+class PipelineConfig(BaseModel):
+    init: StageConfig = StageConfig(workers=8, deadline_s=300)
+    run: StageConfig = StageConfig(workers=256, deadline_s=3600)
+    eval: StageConfig = StageConfig(workers=8, deadline_s=900)
+    job_deadline_s: float | None = Field(None, gt=0, description="init + run + eval time of one rollout")
+    max_live_sandboxes: int = Field(256, ge=1)
+
+
+@dataclass
+class Rollout:
+    """One sample travelling through the pipeline."""
+
+    env: Environment
+    agent: AgentLoop
+    instance: TaskInstance
+    trajectory: Trajectory = field(default=None)  # type: ignore[assignment]  # set in __post_init__
+    job_deadline_s: float | None = None
+    stage_deadlines_s: dict[Stage, float | None] = field(default_factory=dict)
+    episode: Episode | None = None
+    outcome: AgentOutcome | None = None
+    stage_time: float = 0.0
+    enqueued_at: float = 0.0
+    current: asyncio.Task[None] | None = None
+    cancelled: bool = False
+    finished: bool = False
+    holds_sandbox_slot: bool = False
+    run_completed: bool = False
+    done: asyncio.Future[Trajectory] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def __post_init__(self) -> None:
+        if self.trajectory is None:
+            self.trajectory = Trajectory(instance_id=self.instance.instance_id, trajectory_id=uuid.uuid4().hex)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+class _StageTimeout(Exception):
+    pass
+
+
+class RolloutPipeline:
+    def __init__(self, config: PipelineConfig) -> None:
+        self.config = config
+        self._queues: dict[Stage, asyncio.Queue[Rollout]] = {stage: asyncio.Queue() for stage in STAGES}
+        self._active: dict[Stage, int] = dict.fromkeys(STAGES, 0)
+        self._workers: list[asyncio.Task[None]] = []
+        self._sandbox_slots = asyncio.Semaphore(config.max_live_sandboxes)
+        self._live: set[Rollout] = set()
+        self._intake = asyncio.Event()
+        self._intake.set()
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> RolloutPipeline:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def start(self) -> None:
+        if self._workers:
+            return
+        for stage in STAGES:
+            stage_config: StageConfig = getattr(self.config, stage)
+            self._workers += [asyncio.create_task(self._worker(stage)) for _ in range(stage_config.workers)]
+
+    def pause(self) -> None:
+        """Workers stop taking new rollouts; rollouts already in a stage go on. Queued ones wait for resume."""
+        self._intake.clear()
+
+    def resume(self) -> None:
+        self._intake.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._intake.is_set()
+
+    async def close(self) -> None:
+        """Cancel everything still live (their sandboxes are closed) and stop the workers."""
+        await asyncio.gather(*(self.cancel(r) for r in list(self._live)))
+        for worker in self._workers:
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers.clear()
+
+    # -- intake and cancel ---------------------------------------------------------------------------------------
+
+    def submit(self, rollouts: Iterable[Rollout]) -> None:
+        for rollout in rollouts:
+            self._live.add(rollout)
+            self._enqueue("init", rollout)
+
+    async def cancel(self, rollout: Rollout) -> None:
+        """End `rollout` as cancelled now: a running stage is interrupted, a held sandbox is closed."""
+        if rollout.finished or rollout.cancelled:
+            return
+        rollout.cancelled = True
+        if rollout.current is not None and not rollout.current.done():
+            rollout.current.cancel()  # its worker finishes it
+            await asyncio.wait({rollout.done})
+        else:
+            await self._finish(rollout, "cancelled", "cancelled while queued")
+
+    def status(self) -> dict[str, dict[str, int]]:
+        return {
+            stage: {"queued": self._queues[stage].qsize(), "active": self._active[stage], "workers": getattr(self.config, stage).workers}
+            for stage in STAGES
+        }
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
+
+    # -- internals -----------------------------------------------------------------------------------------------
+
+    def _enqueue(self, stage: Stage, rollout: Rollout) -> None:
+        rollout.enqueued_at = time.perf_counter()
+        self._queues[stage].put_nowait(rollout)
+
+    async def _worker(self, stage: Stage) -> None:
+        queue = self._queues[stage]
+        while True:
+            rollout = await queue.get()
+            await self._intake.wait()
+            if rollout.cancelled:
+                continue
+            if stage == "init":
+                await self._sandbox_slots.acquire()
+                if rollout.cancelled:
+                    self._sandbox_slots.release()
+                    continue
+                rollout.holds_sandbox_slot = True
+            rollout.trajectory.timing.queued += time.perf_counter() - rollout.enqueued_at
+            self._active[stage] += 1
+            rollout.current = asyncio.create_task(self._run_stage(stage, rollout))
+            try:
+                await asyncio.wait({rollout.current})
+            except asyncio.CancelledError:  # the pipeline is closing
+                rollout.current.cancel()
+                await asyncio.wait({rollout.current})
+                await self._finish(rollout, "cancelled", "the service stopped")
+                raise
+            finally:
+                self._active[stage] -= 1
+            await self._after_stage(stage, rollout, rollout.current)
+
+    async def _run_stage(self, stage: Stage, rollout: Rollout) -> None:
+        budget = self._budget(stage, rollout)
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(budget):
+                if stage == "init":
+                    rollout.episode = await rollout.env.init(rollout.instance)
+                elif stage == "run":
+                    assert rollout.episode is not None
+                    rollout.outcome = rollout.agent.start(rollout.env, rollout.episode)
+                    await rollout.agent.run(rollout.env, rollout.episode, rollout.outcome)
+                else:
+                    assert rollout.episode is not None
+                    evaluation = await rollout.env.eval(rollout.episode)
+                    t = rollout.trajectory
+                    t.reward, t.resolved, t.evaluation = evaluation.reward, evaluation.resolved, evaluation.details
+        except TimeoutError as e:
+            raise _StageTimeout(self._timeout_message(stage, rollout, budget)) from e
+        finally:
+            elapsed = time.perf_counter() - started
+            rollout.stage_time += elapsed
+            setattr(rollout.trajectory.timing, stage, elapsed)
+
+    def _budget(self, stage: Stage, rollout: Rollout) -> float | None:
+        limits = [rollout.stage_deadlines_s.get(stage, getattr(self.config, stage).deadline_s)]
+        job_deadline = rollout.job_deadline_s if rollout.job_deadline_s is not None else self.config.job_deadline_s
+        if job_deadline is not None:
+            limits.append(max(job_deadline - rollout.stage_time, 0.0))
+        known = [limit for limit in limits if limit is not None]
+        return min(known) if known else None
+
+    def _timeout_message(self, stage: Stage, rollout: Rollout, budget: float | None) -> str:
+        stage_limit = rollout.stage_deadlines_s.get(stage, getattr(self.config, stage).deadline_s)
+        if stage_limit is not None and budget == stage_limit:
+            return f"the {stage} stage ran past its deadline of {stage_limit:g} s"
+        return f"the rollout ran past its job deadline during {stage} ({budget:g} s left when {stage} began)"
+
+    async def _after_stage(self, stage: Stage, rollout: Rollout, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or rollout.cancelled:
+            await self._finish(rollout, "cancelled", f"cancelled during {stage}")
+            return
+        error = task.exception()
+        if isinstance(error, _StageTimeout):
+            await self._finish(rollout, "timeout", str(error))
+        elif error is not None:
+            detail = "".join(traceback.format_exception_only(error)).strip()
+            await self._finish(rollout, stage, detail)
+        elif stage == "init":
+            self._enqueue("run", rollout)
+        elif stage == "run":
+            rollout.run_completed = True
+            self._enqueue("eval", rollout)
+        else:
+            await self._finish(rollout, None, None)
+
+    async def _finish(self, rollout: Rollout, critical_error: str | None, error: str | None) -> None:
+        """Close the sandbox (shielded: a cancelled caller never leaks it) and hand the trajectory over, once."""
+        if rollout.finished:
+            return
+        rollout.finished = True
+        t = rollout.trajectory
+        if rollout.outcome is not None:  # also what a timed-out or cancelled run got to
+            outcome = rollout.outcome
+            t.messages, t.tools, t.finish = outcome.messages, outcome.tools, outcome.finish
+            t.num_tool_calls, t.num_format_errors = outcome.num_tool_calls, outcome.num_format_errors
+        t.critical_error = critical_error  # type: ignore[assignment]
+        t.error = error
+        if critical_error is not None and not rollout.run_completed:
+            t.finish = "error"
+        try:
+            if rollout.episode is not None:
+                await asyncio.shield(rollout.env.close(rollout.episode))
+        finally:
+            if rollout.holds_sandbox_slot:
+                rollout.holds_sandbox_slot = False
+                self._sandbox_slots.release()
+            self._live.discard(rollout)
+            if not rollout.done.done():
+                rollout.done.set_result(t)
+
+
+async def run_rollouts(
+    rollouts: list[Rollout], config: PipelineConfig, on_done: Callable[[Trajectory], None] | None = None
+) -> list[Trajectory]:
+    """Run `rollouts` through a pipeline of their own; `on_done` sees each trajectory as it finishes."""
+    async with RolloutPipeline(config) as pipeline:
+        if on_done is not None:
+            for rollout in rollouts:
+                rollout.done.add_done_callback(lambda f: on_done(f.result()))
+        pipeline.submit(rollouts)
+        return list(await asyncio.gather(*(r.done for r in rollouts)))

@@ -1,0 +1,68 @@
+"""`prorl serve`: the rollout service on uvicorn, until SIGINT/SIGTERM; then every sandbox is closed."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import uvicorn
+
+from nemo_gym_prorl.service.app import create_app, is_loopback
+from nemo_gym_prorl.service.gym_agent import add_gym_agent_routes
+from nemo_gym_prorl.service.orchestrator import Orchestrator
+from nemo_gym_prorl.service.runtime import TOKEN_ENV, ServiceConfig, ServiceRuntime
+
+
+class InsecureBindError(ValueError):
+    """Refusing to listen beyond loopback without a bearer token."""
+
+
+@dataclass
+class RunningService:
+    url: str
+    port: int
+    orchestrator: Orchestrator
+    server: uvicorn.Server
+    serving: asyncio.Task[None]
+
+
+@asynccontextmanager
+async def run_service(config: ServiceConfig) -> AsyncIterator[RunningService]:
+    """The service listening (requests queue from the moment this yields) until the block exits or uvicorn is
+    told to stop; then the runtime closes every sandbox, the model and the pool."""
+    token = config.bearer_token()
+    if token is None and not is_loopback(config.service.host):
+        raise InsecureBindError(
+            f"binding {config.service.host} (not loopback) needs a bearer token: set service.token or ${TOKEN_ENV}"
+        )
+    sock = socket.create_server((config.service.host, config.service.port))
+    port = sock.getsockname()[1]
+    async with ServiceRuntime(config) as runtime:
+        assert runtime.orchestrator is not None
+        app = create_app(runtime.orchestrator, token, config.service.max_body_bytes)
+        add_gym_agent_routes(app, runtime.orchestrator, token)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        try:
+            yield RunningService(f"http://{config.service.host}:{port}", port, runtime.orchestrator, server, serving)
+        finally:
+            server.should_exit = True
+            await serving
+
+
+async def serve_async(config: ServiceConfig, on_ready: Callable[[int], None] | None = None) -> None:
+    async with run_service(config) as service:
+        if on_ready is not None:
+            on_ready(service.port)
+        await service.serving
+
+
+def serve(config: ServiceConfig) -> None:
+    def announce(port: int) -> None:
+        tasks = ", ".join(config.service.tasks)
+        print(f"prorl serve: listening on http://{config.service.host}:{port} (tasks: {tasks})", flush=True)
+
+    asyncio.run(serve_async(config, announce))

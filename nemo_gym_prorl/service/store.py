@@ -1,0 +1,116 @@
+"""Durable jobs and results: SQLite in WAL mode, so an accepted job or a finished result survives a crash.
+
+Every write commits before the service answers about it. After a restart, finished results are served as before;
+jobs that were in flight come back re-queued (their unfinished samples run again) or failed with a clear error,
+as configured — never silently gone.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from nemo_gym_prorl.service.trajectory import Trajectory
+
+JobState = Literal["queued", "running", "done", "cancelled"]
+RecoveryPolicy = Literal["requeue", "fail"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    request TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS results (
+    job_id TEXT NOT NULL REFERENCES jobs(job_id),
+    sample INTEGER NOT NULL,
+    trajectory TEXT NOT NULL,
+    PRIMARY KEY (job_id, sample)
+);
+"""
+
+
+class StoredJob(BaseModel):
+    job_id: str
+    request: dict[str, Any]
+    n: int
+    state: JobState
+    created: float
+    updated: float
+
+
+class JobStore:
+    """One SQLite file; ``":memory:"`` for a store that dies with the process."""
+
+    def __init__(self, path: str | Path) -> None:
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def add_job(self, job_id: str, request: dict[str, Any], n: int) -> None:
+        """Record an accepted job; raises KeyError if the id is taken."""
+        now = time.time()
+        try:
+            self._db.execute(
+                "INSERT INTO jobs VALUES (?, ?, ?, 'queued', ?, ?)", (job_id, json.dumps(request), n, now, now)
+            )
+        except sqlite3.IntegrityError:
+            raise KeyError(job_id) from None
+
+    def set_state(self, job_id: str, state: JobState) -> None:
+        self._db.execute("UPDATE jobs SET state = ?, updated = ? WHERE job_id = ?", (state, time.time(), job_id))
+
+    def add_result(self, job_id: str, sample: int, trajectory: Trajectory) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO results VALUES (?, ?, ?)", (job_id, sample, trajectory.model_dump_json())
+        )
+
+    def job(self, job_id: str) -> StoredJob | None:
+        row = self._db.execute(
+            "SELECT job_id, request, n, state, created, updated FROM jobs WHERE job_id = ?", (job_id,)
+        ).fetchone()
+        return _job(row) if row else None
+
+    def result_samples(self, job_id: str) -> set[int]:
+        return {s for (s,) in self._db.execute("SELECT sample FROM results WHERE job_id = ?", (job_id,))}
+
+    def result(self, job_id: str, sample: int) -> Trajectory | None:
+        row = self._db.execute(
+            "SELECT trajectory FROM results WHERE job_id = ? AND sample = ?", (job_id, sample)
+        ).fetchone()
+        return Trajectory.model_validate_json(row[0]) if row else None
+
+    def results(self, job_id: str) -> dict[int, Trajectory]:
+        rows = self._db.execute(
+            "SELECT sample, trajectory FROM results WHERE job_id = ? ORDER BY sample", (job_id,)
+        ).fetchall()
+        return {sample: Trajectory.model_validate_json(text) for sample, text in rows}
+
+    def unfinished_jobs(self) -> list[StoredJob]:
+        rows = self._db.execute(
+            "SELECT job_id, request, n, state, created, updated FROM jobs WHERE state IN ('queued', 'running') "
+            "ORDER BY created"
+        ).fetchall()
+        return [_job(row) for row in rows]
+
+    def counts(self) -> dict[str, int]:
+        return dict(self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall())
+
+
+def _job(row: tuple[Any, ...]) -> StoredJob:
+    job_id, request, n, state, created, updated = row
+    return StoredJob(job_id=job_id, request=json.loads(request), n=n, state=state, created=created, updated=updated)

@@ -1,0 +1,191 @@
+"""The rollout service over real HTTP: jobs, streams, ProRL endpoints, Gym's /run, deadlines, cancel, bad input.
+
+The model is the deterministic stand-in server (a real process speaking the real protocol, with scripted replies);
+sandboxes are real bubblewrap sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from nemo_gym.base_resources_server import BaseVerifyResponse
+
+from nemo_gym_prorl.models.launcher import ModelServerProcess
+from nemo_gym_prorl.models.standin import standin_argv
+from nemo_gym_prorl.service.client import RolloutClient, ServiceError
+from nemo_gym_prorl.service.orchestrator import JobRequest
+from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.service.serve import RunningService, run_service
+from nemo_gym_prorl.service.trajectory import Trajectory, contiguity_violation
+
+SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]
+ROW = {"id": "q1", "question": "Calculate 6 * 7.", "answer": "42"}
+
+
+def _standin(script: list[str], latency_s: float = 0.0) -> Iterator[str]:
+    loop = asyncio.new_event_loop()
+    server = ModelServerProcess(standin_argv(script, latency_s))
+    loop.run_until_complete(server.__aenter__())
+    try:
+        yield server.base_url
+    finally:
+        loop.run_until_complete(server.stop())
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def instant_model() -> Iterator[str]:
+    yield from _standin(SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def slow_model() -> Iterator[str]:
+    yield from _standin(SCRIPT, latency_s=30.0)
+
+
+def service_config(model_url: str, tmp_path: Path, **settings) -> ServiceConfig:
+    model = ModelConfig(kind="remote", addresses=[model_url], served_model_name="standin", tool_call_format="codeact")
+    return ServiceConfig(
+        service=ServiceSettings(port=0, store=tmp_path / "service.db", **settings), model=model
+    )
+
+
+@asynccontextmanager
+async def service(model_url: str, tmp_path: Path, **settings) -> AsyncIterator[RunningService]:
+    async with run_service(service_config(model_url, tmp_path, **settings)) as running:
+        yield running
+
+
+def sandbox_processes() -> list[psutil.Process]:
+    return [p for p in psutil.Process(os.getpid()).children(recursive=True) if p.name() in ("bwrap", "setpriv", "prlimit")]
+
+
+async def test_a_job_streams_each_sample_and_is_kept(instant_model: str, tmp_path: Path) -> None:
+    async with service(instant_model, tmp_path) as svc, RolloutClient(svc.url) as client:
+        job_id = await client.submit(JobRequest(instance=ROW, n=3, sampling_params={"seed": 1}))
+        streamed = [item async for item in client.stream(job_id)]
+        assert sorted(sample for sample, _ in streamed) == [0, 1, 2]
+        view = await client.get(job_id)
+    assert view.state == "done" and view.finished == 3
+    for trajectory in view.results:
+        assert trajectory.reward == 1.0 and trajectory.critical_error is None and trajectory.num_tool_calls == 1
+        assert "42" in trajectory.messages[3]["content"]  # the bash tool really ran in the sandbox
+        assert contiguity_violation(trajectory.assistant_turns()) is None
+        assert trajectory.timing.init > 0 and trajectory.timing.eval > 0
+    assert sandbox_processes() == []
+
+
+async def test_prorl_endpoints(instant_model: str, tmp_path: Path) -> None:
+    async with service(instant_model, tmp_path) as svc, httpx.AsyncClient(base_url=svc.url, timeout=60) as http:
+        result = (await http.post("/process", json={"instance": ROW, "sampling_params": {"temperature": 1.0}})).json()
+        assert Trajectory.model_validate(result).reward == 1.0
+        status = (await http.get("/status")).json()
+        assert status["stages"]["init"]["queued"] == 0 and status["llm_backends"][0]["in_flight"] == 0
+        assert (await http.post("/stop")).json()["paused"] is True
+        assert (await http.post("/start")).json()["paused"] is False
+        added = (await http.post("/add_llm_server", json={"address": "127.0.0.1:1"})).json()
+        assert len(added["backends"]) == 2
+        assert (await http.post("/clear_llm_server")).json() == {"backends": []}
+        assert (await http.post("/cancel", json={"job_id": "nope"})).status_code == 404
+        metrics = (await http.get("/metrics")).text
+        assert 'prorl_rollouts_finished_total{outcome="ok"} 1.0' in metrics
+        assert "/jobs" in (await http.get("/openapi.json")).json()["paths"]
+
+
+async def test_gym_run_returns_a_verify_response_nemo_rl_can_train_on(instant_model: str, tmp_path: Path) -> None:
+    row = {
+        "responses_create_params": {"input": [{"role": "user", "content": ROW["question"]}], "temperature": 1.0, "top_p": 1.0, "max_output_tokens": 64},
+        **ROW,
+        "_rowidx": 7,
+        "_ng_task_index": 3,
+    }
+    async with service(instant_model, tmp_path) as svc, httpx.AsyncClient(base_url=svc.url, timeout=60) as http:
+        first = (await http.post("/run", json=row)).json()
+        again = await http.post("/run", json=row)
+    assert again.status_code == 200
+    verified = BaseVerifyResponse.model_validate(first)
+    assert verified.reward == 1.0 and not verified.mask_sample and first["_rowidx"] == 7
+    items = first["response"]["output"]
+    assert [item["type"] for item in items] == ["message", "function_call", "function_call_output", "message"]
+    trained = [item for item in items if "generation_token_ids" in item]
+    assert len(trained) == 2 and contiguity_violation(trained) is None
+    assert "42" in items[2]["output"]
+
+
+async def test_cancel_during_run_frees_the_sandbox(slow_model: str, tmp_path: Path) -> None:
+    async with service(slow_model, tmp_path) as svc, RolloutClient(svc.url) as client:
+        job_id = await client.submit(JobRequest(instance=ROW, n=2))
+        async with asyncio.timeout(60):
+            while svc.orchestrator.pipeline.status()["run"]["active"] < 2:
+                await asyncio.sleep(0.05)
+        assert sandbox_processes()
+        view = await client.cancel(job_id)
+        assert sandbox_processes() == []
+        assert view.state == "cancelled" and view.finished == 2
+        assert {t.critical_error for t in view.results} == {"cancelled"}
+
+
+async def test_stage_deadline_ends_the_rollout_as_timeout(slow_model: str, tmp_path: Path) -> None:
+    async with service(slow_model, tmp_path) as svc, RolloutClient(svc.url) as client:
+        job_id = await client.submit(JobRequest(instance=ROW, deadlines={"run_s": 1.0}))
+        view = await client.wait(job_id)
+    (trajectory,) = view.results
+    assert trajectory.critical_error == "timeout" and "run stage ran past its deadline of 1 s" in trajectory.error
+    assert trajectory.timing.run < 10 and sandbox_processes() == []
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        ({"instance": ROW, "task": "chess"}, 422, "task"),
+        ({"instance": ROW, "n": -1}, 422, "n"),
+        ({"instance": ROW, "n": 10**6}, 422, "n"),
+        ({"instance": {"id": "x"}}, 422, "instance"),
+        ({"instance": ROW, "sampling_params": {"temperature": "hot"}}, 422, "sampling_params.temperature"),
+        ({"instance": ROW, "surprise": 1}, 422, "surprise"),
+        ({"instance": ROW, "job_id": "no spaces allowed"}, 422, "job_id"),
+    ],
+)
+async def test_bad_jobs_are_refused_naming_the_field(instant_model: str, tmp_path: Path, body, status, field) -> None:
+    async with service(instant_model, tmp_path) as svc, httpx.AsyncClient(base_url=svc.url) as http:
+        response = await http.post("/jobs", json=body)
+        assert response.status_code == status
+        assert field in response.json()["error"]["message"]
+        assert (await http.get("/health")).status_code == 200
+
+
+async def test_malformed_oversized_duplicate_and_unauthorized_requests(instant_model: str, tmp_path: Path) -> None:
+    async with service(instant_model, tmp_path, token="s3cret", max_body_bytes=4096) as svc:
+        async with httpx.AsyncClient(base_url=svc.url, headers={"authorization": "Bearer s3cret"}) as http:
+            bad_json = await http.post("/jobs", content=b"{not json", headers={"content-type": "application/json"})
+            assert bad_json.status_code == 422
+            huge = await http.post("/jobs", json={"instance": {"question": "x" * 10_000}})
+            assert huge.status_code == 413
+            assert (await http.post("/jobs", json={"instance": ROW, "job_id": "j1"})).status_code == 202
+            duplicate = await http.post("/jobs", json={"instance": ROW, "job_id": "j1"})
+            assert duplicate.status_code == 409 and "j1" in duplicate.json()["error"]["message"]
+        async with RolloutClient(svc.url, token="wrong") as client:
+            with pytest.raises(ServiceError) as refused:
+                await client.submit(JobRequest(instance=ROW))
+            assert refused.value.status == 401
+
+
+async def test_results_survive_a_restart_and_unfinished_jobs_are_requeued(instant_model: str, slow_model: str, tmp_path: Path) -> None:
+    async with service(instant_model, tmp_path) as svc, RolloutClient(svc.url) as client:
+        finished = await client.submit(JobRequest(instance=ROW, job_id="finished"))
+        await client.wait(finished)
+    async with service(slow_model, tmp_path) as svc, RolloutClient(svc.url) as client:
+        await client.submit(JobRequest(instance=ROW, job_id="in-flight"))
+    # the service stopped with "in-flight" running: a new one (on the fast model) finishes it
+    async with service(instant_model, tmp_path) as svc, RolloutClient(svc.url) as client:
+        assert (await client.get("finished")).results[0].reward == 1.0
+        view = await client.wait("in-flight")
+    assert view.state == "done" and view.results[0].reward == 1.0
