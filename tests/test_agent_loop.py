@@ -13,7 +13,7 @@ from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.service.agent_loop import AgentLoop
 from nemo_gym_prorl.service.llm_client import ContextLengthExceeded, TokenInTokenOut
-from nemo_gym_prorl.service.rollout import run_rollout
+from nemo_gym_prorl.service.pipeline import PipelineConfig, Rollout, run_rollouts
 from nemo_gym_prorl.service.trajectory import contiguity_violation
 from nemo_gym_prorl.tool_calls import tool_call_format
 
@@ -55,6 +55,11 @@ def math_task(tmp_path: Path):
 def agent(tokenizer: Tokenizer, model: ScriptedModel, fmt: str = "codeact", max_turns: int = 3) -> AgentLoop:
     generator = TokenInTokenOut(model, "scripted", tokenizer, SamplingParams(max_tokens=64))
     return AgentLoop(generator, tool_call_format(fmt), max_turns)
+
+
+async def run_rollout(env, loop: AgentLoop, instance: TaskInstance):
+    (trajectory,) = await run_rollouts([Rollout(env=env, agent=loop, instance=instance)], PipelineConfig())
+    return trajectory
 
 
 INSTANCE = TaskInstance(instance_id="t1", data={"id": "t1", "question": "Calculate 6 * 7.", "answer": "42"})

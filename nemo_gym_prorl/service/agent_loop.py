@@ -58,11 +58,15 @@ class AgentLoop:
         self.tool_format = tool_format
         self.max_turns = max_turns
 
-    async def run(self, env: Environment, episode: Episode) -> AgentOutcome:
-        messages = env.prompt_messages(episode.instance)
+    def start(self, env: Environment, episode: Episode) -> AgentOutcome:
+        """The outcome `run` fills in as it goes, so what happened survives a timeout or a cancel."""
         # CodeAct agents act through code blocks the prompt describes, not through function schemas.
         tools = [] if self.tool_format.name == "codeact" else env.tool_schemas()
-        outcome = AgentOutcome(messages=messages, tools=tools, finish="max_turns")
+        return AgentOutcome(messages=env.prompt_messages(episode.instance), tools=tools, finish="max_turns")
+
+    async def run(self, env: Environment, episode: Episode, outcome: AgentOutcome | None = None) -> AgentOutcome:
+        outcome = outcome or self.start(env, episode)
+        messages, tools = outcome.messages, outcome.tools
         previous: Turn | None = None
         for _ in range(self.max_turns):
             try:
