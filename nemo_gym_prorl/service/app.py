@@ -16,27 +16,22 @@ from __future__ import annotations
 import ipaddress
 import secrets
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.service.metrics import ServiceMetrics
 from nemo_gym_prorl.service.orchestrator import JobConflict, JobRequest, JobView, Orchestrator, RejectedJob
 from nemo_gym_prorl.service.trajectory import Trajectory
 
 
-class ProcessRequest(BaseModel):
-    """ProRL's ``/process`` body."""
+class ProcessRequest(JobRequest):
+    """ProRL's ``/process`` body (``instance``, ``sampling_params``, ``job_id``): one sample, answered when done."""
 
-    model_config = ConfigDict(extra="forbid")
-    instance: dict[str, Any]
-    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
-    job_id: str | None = None
-    task: str | None = None
+    n: Literal[1] = 1
 
 
 class AddressRequest(BaseModel):
@@ -97,6 +92,12 @@ def create_app(orchestrator: Orchestrator, token: str | None = None, max_body_by
         field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
         return _error(422, f"{field}: {first['msg']}", field)
 
+    @app.exception_handler(ValidationError)
+    async def _invalid_model(_: Request, exc: ValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        return _error(422, f"{field}: {first['msg']}", field)
+
     @app.exception_handler(RejectedJob)
     async def _rejected(_: Request, exc: RejectedJob) -> JSONResponse:
         return _error(422, str(exc), exc.field)
@@ -119,10 +120,7 @@ def create_app(orchestrator: Orchestrator, token: str | None = None, max_body_by
 
     @app.post("/process", dependencies=guarded)
     async def process(body: ProcessRequest) -> Trajectory:
-        job_id = orchestrator.submit(
-            JobRequest(task=body.task, instance=body.instance, sampling_params=body.sampling_params, job_id=body.job_id)
-        )
-        view = await orchestrator.wait(job_id)
+        view = await orchestrator.wait(orchestrator.submit(body))
         return view.results[0]
 
     @app.post("/start", dependencies=guarded)
