@@ -1,0 +1,335 @@
+"""The service's pool of OpenAI-compatible model backends (vLLM, NeMo RL's server, our local one).
+
+A new trajectory goes to the healthy backend with the fewest requests in flight; its later requests stay there, so
+the backend's prefix cache holds the conversation so far. Transient failures (connect errors, timeouts, 5xx, 429)
+are retried with backoff, away from the backend that failed; a 4xx is the request's fault and is raised at once.
+Backends that keep failing (requests or health probes) are ejected until a probe succeeds again. ``pause()`` lets
+the trainer sync weights: new requests wait, requests already at a server finish, and it returns when none is left.
+
+In-flight counts are kept per attempt, in ``finally``: ProRL's balancer never decremented its counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import random
+from collections import OrderedDict
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from nemo_gym_prorl.service.llm_client import PostJSON, refusal
+
+log = logging.getLogger(__name__)
+
+
+class LLMPoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    request_timeout_s: float = Field(600.0, gt=0, description="read timeout of one attempt: generations are long")
+    connect_timeout_s: float = Field(10.0, gt=0)
+    max_retries: int = Field(3, ge=0, description="attempts after the first, for transient failures only")
+    backoff_base_s: float = Field(0.5, ge=0, description="delay before the first retry; doubles each retry")
+    backoff_max_s: float = Field(8.0, ge=0)
+    backoff_jitter: float = Field(0.25, ge=0, le=1, description="fraction of each delay drawn at random")
+    wait_for_backend_s: float = Field(300.0, ge=0, description="how long a request waits for a healthy backend")
+    health_interval_s: float = Field(10.0, ge=0, description="seconds between probe rounds; 0 turns probing off")
+    health_timeout_s: float = Field(5.0, gt=0)
+    health_path: str = Field("/models", description="probed under the /v1 base; any answer below 500 is alive")
+    failures_to_eject: int = Field(3, ge=1, description="consecutive failed requests or probes that eject a backend")
+    max_connections: int = Field(1024, ge=1)
+    max_tracked_trajectories: int = Field(100_000, ge=1, description="affinities kept; the oldest are forgotten")
+
+
+class BackendState(BaseModel):
+    """One backend as the pool sees it; ``backends()`` hands out copies."""
+
+    address: str
+    healthy: bool = True
+    in_flight: int = 0
+    trajectories: int = Field(0, description="trajectories routed here and not yet released or moved")
+    requests: int = Field(0, description="attempts sent, retries included")
+    failures: int = 0
+    consecutive_failures: int = Field(0, description="failed requests or probes since the last success")
+    last_error: str | None = None
+
+
+class LLMUnavailable(Exception):
+    """No backend could answer: none healthy within ``wait_for_backend_s``, or every retry failed."""
+
+
+class _Transient(Exception):
+    """An attempt failed in a way another attempt may not (a 5xx, a 429, a body that is not JSON)."""
+
+
+def normalize_address(address: str) -> str:
+    """``host:port``, ``http://host:port`` or ``http://host:port/v1/`` → ``http://host:port/v1``."""
+    base = address.strip().rstrip("/")
+    if "://" not in base:
+        base = "http://" + base
+    try:
+        url = httpx.URL(base)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"not a model server address: {address!r} ({e})") from e
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"not an http(s) model server address: {address!r}")
+    return base if base.endswith("/v1") else base + "/v1"
+
+
+def _server_message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text
+
+
+class LLMPool:
+    """``async with LLMPool(config, addresses) as pool: await pool.post(trajectory_id, "/completions", body)``."""
+
+    def __init__(
+        self,
+        config: LLMPoolConfig | None = None,
+        addresses: Iterable[str] = (),
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        """``http``: a client to share (left open on ``aclose``); by default the pool makes and closes its own."""
+        self.config = config = config or LLMPoolConfig()
+        self._owns_http = http is None
+        self._http = http or httpx.AsyncClient(
+            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s, pool=None),
+            limits=httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=None),
+            trust_env=False,  # backends sit next to us; a proxy from the environment would only get in the way
+        )
+        self._backends: dict[str, BackendState] = {}
+        self._affinity: OrderedDict[str, BackendState] = OrderedDict()
+        self._round_robin = 0
+        self._in_flight = 0
+        self._waiting = 0
+        self._paused = False
+        self._changed = asyncio.Event()  # set and replaced on every change waiters care about
+        self._health_task: asyncio.Task[None] | None = None
+        for address in addresses:
+            self.add(address)
+
+    # -- backends ---------------------------------------------------------------------------------------------------
+
+    def add(self, address: str) -> str:
+        """Add a backend (a no-op when present); returns its normalised ``/v1`` base."""
+        base = normalize_address(address)
+        if base not in self._backends:
+            self._backends[base] = BackendState(address=base)
+            self._notify()
+        return base
+
+    def remove(self, address: str) -> bool:
+        """Route nothing more to it; requests already there finish, its trajectories move on their next request."""
+        backend = self._backends.pop(normalize_address(address), None)
+        if backend is None:
+            return False
+        for trajectory_id in [t for t, b in self._affinity.items() if b is backend]:
+            self.release(trajectory_id)
+        return True
+
+    def clear(self) -> None:
+        for address in list(self._backends):
+            self.remove(address)
+
+    def backends(self) -> list[BackendState]:
+        return [b.model_copy() for b in self._backends.values()]
+
+    def release(self, trajectory_id: str) -> None:
+        """Forget a finished trajectory's backend."""
+        backend = self._affinity.pop(trajectory_id, None)
+        if backend is not None:
+            backend.trajectories -= 1
+
+    @property
+    def in_flight(self) -> int:
+        """Requests at a server now, removed backends included."""
+        return self._in_flight
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for ``resume()`` or for a healthy backend."""
+        return self._waiting
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # -- requests ---------------------------------------------------------------------------------------------------
+
+    def poster(self, trajectory_id: str) -> PostJSON:
+        """The ``PostJSON`` a rollout's turn generator uses: every call routed as this trajectory."""
+        return functools.partial(self.post, trajectory_id)
+
+    async def post(self, trajectory_id: str, path: str, json: dict[str, Any]) -> dict[str, Any]:
+        """POST ``json`` to ``<backend>/v1<path>``; raises ``LLMRequestError`` on a 4xx, ``LLMUnavailable`` when
+        no backend answers."""
+        tried: set[str] = set()
+        error: Exception | None = None
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self._backoff(attempt))
+            backend = await self._acquire(trajectory_id, tried)
+            try:
+                backend.requests += 1
+                response = await self._http.post(backend.address + path, json=json)
+                if response.status_code >= 500 or response.status_code == 429:
+                    raise _Transient(f"HTTP {response.status_code}: {_server_message(response)[:500]}")
+                if response.status_code >= 400:
+                    self._succeeded(backend)  # the server is fine; the request is not
+                    raise refusal(response.status_code, _server_message(response))
+                try:
+                    body = response.json()
+                except ValueError as e:
+                    raise _Transient(f"HTTP {response.status_code} with a body that is not JSON") from e
+                self._succeeded(backend)
+                return body
+            except (httpx.TransportError, _Transient) as e:
+                error = e
+                tried.add(backend.address)
+                self._failed(backend, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+                log.warning("model request to %s failed (attempt %d): %s", backend.address, attempt + 1, e)
+            finally:
+                backend.in_flight -= 1
+                self._in_flight -= 1
+                self._notify()
+        raise LLMUnavailable(f"{path} failed {self.config.max_retries + 1} times; last: {error}") from error
+
+    async def _acquire(self, trajectory_id: str, tried: set[str]) -> BackendState:
+        """Wait until not paused and a backend is healthy, then count a request in flight on it."""
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        self._waiting += 1
+        try:
+            while True:
+                if self._paused:
+                    deadline = None  # the wait for a backend starts when weight sync is over
+                elif backend := self._route(trajectory_id, tried):
+                    backend.in_flight += 1
+                    self._in_flight += 1
+                    return backend
+                elif deadline is None:
+                    deadline = loop.time() + self.config.wait_for_backend_s
+                changed = self._changed
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await changed.wait()
+                except TimeoutError:
+                    errors = {b.address: b.last_error for b in self._backends.values()}
+                    raise LLMUnavailable(
+                        f"no healthy model backend for {self.config.wait_for_backend_s:g} s (last errors: {errors})"
+                    ) from None
+        finally:
+            self._waiting -= 1
+
+    def _route(self, trajectory_id: str, tried: set[str]) -> BackendState | None:
+        """The trajectory's backend while it is healthy (and has not failed this request), else the least busy one."""
+        current = self._affinity.get(trajectory_id)
+        if current is not None and current.healthy and current.address not in tried:
+            self._affinity.move_to_end(trajectory_id)
+            return current
+        healthy = [b for b in self._backends.values() if b.healthy]
+        candidates = [b for b in healthy if b.address not in tried] or healthy
+        if not candidates:
+            return None
+        n, turn = len(candidates), self._round_robin
+        self._round_robin += 1
+        _, chosen = min(enumerate(candidates), key=lambda ib: (ib[1].in_flight, ib[1].trajectories, (ib[0] - turn) % n))
+        self.release(trajectory_id)
+        self._affinity[trajectory_id] = chosen
+        chosen.trajectories += 1
+        while len(self._affinity) > self.config.max_tracked_trajectories:
+            self.release(next(iter(self._affinity)))
+        return chosen
+
+    def _backoff(self, attempt: int) -> float:
+        delay = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** (attempt - 1))
+        return delay * (1 - self.config.backoff_jitter * random.random())
+
+    # -- health -----------------------------------------------------------------------------------------------------
+
+    def _failed(self, backend: BackendState, error: str) -> None:
+        backend.failures += 1
+        backend.consecutive_failures += 1
+        backend.last_error = error
+        if backend.healthy and backend.consecutive_failures >= self.config.failures_to_eject:
+            backend.healthy = False
+            log.warning("ejected model backend %s: %s", backend.address, error)
+
+    def _succeeded(self, backend: BackendState) -> None:
+        backend.consecutive_failures = 0
+        if not backend.healthy:
+            backend.healthy = True
+            log.info("re-admitted model backend %s", backend.address)
+            self._notify()
+
+    async def check_health(self) -> None:
+        """Probe every backend once (the background task calls this every ``health_interval_s``)."""
+        await asyncio.gather(*(self._probe(b) for b in list(self._backends.values())))
+
+    async def _probe(self, backend: BackendState) -> None:
+        try:
+            url = backend.address + self.config.health_path
+            response = await self._http.get(url, timeout=self.config.health_timeout_s)
+        except httpx.HTTPError as e:
+            self._failed(backend, f"health probe: {type(e).__name__}: {e}")
+            return
+        if response.status_code >= 500:
+            self._failed(backend, f"health probe: HTTP {response.status_code}")
+        else:
+            self._succeeded(backend)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)  # a period, not a synchronisation
+            await self.check_health()
+
+    # -- weight sync ------------------------------------------------------------------------------------------------
+
+    async def pause(self) -> None:
+        """Stop new requests from starting and return once every request in flight has finished (none is aborted)."""
+        self._paused = True
+        self._notify()
+        while self._in_flight:
+            await self._changed.wait()
+
+    def resume(self) -> None:
+        self._paused = False
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- lifetime ---------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the background health probe (``__aenter__`` does); needs a running event loop."""
+        if self._health_task is None and self.config.health_interval_s > 0:
+            self._health_task = asyncio.create_task(self._health_loop(), name="llm-pool-health")
+
+    async def aclose(self) -> None:
+        task, self._health_task = self._health_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> LLMPool:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()

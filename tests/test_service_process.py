@@ -1,0 +1,69 @@
+"""`prorl serve` as a real process: killed with SIGKILL and restarted, nothing accepted is lost; `prorl rollout`
+sends its jobs to it with `service.url`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import psutil
+
+from nemo_gym_prorl.service.client import RolloutClient
+from nemo_gym_prorl.service.orchestrator import JobRequest
+from tests.test_service import ROW, instant_model, slow_model  # noqa: F401  (stand-in model fixtures)
+
+
+@asynccontextmanager
+async def prorl_serve(model_url: str, store: Path) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    argv = [
+        sys.executable, "-m", "nemo_gym_prorl.cli", "serve", "model=remote", f"model.addresses=[{model_url}]",
+        "model.served_model_name=standin", "model.tool_call_format=codeact", "service.port=0", f"service.store={store}",
+    ]
+    process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, start_new_session=True)
+    try:
+        assert process.stdout is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()
+        assert "listening on" in line, line
+        yield line.split("listening on ")[1].split()[0], process
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(process.wait(), 60)
+
+
+async def test_sigkill_loses_nothing_accepted(instant_model: str, slow_model: str, tmp_path: Path) -> None:  # noqa: F811
+    store = tmp_path / "jobs.db"
+    async with prorl_serve(slow_model, store) as (url, process):
+        async with RolloutClient(url) as client:
+            job_id = await client.submit(JobRequest(instance=ROW, n=2, job_id="accepted"))
+            async with asyncio.timeout(60):  # both rollouts are live in sandboxes, waiting on the slow model
+                while (await client.status())["stages"]["run"]["active"] < 2:
+                    await asyncio.sleep(0.05)
+        sandboxes = [p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "bwrap"]
+        assert sandboxes
+        process.kill()
+        await process.wait()
+        gone, alive = psutil.wait_procs(sandboxes, timeout=10)
+        assert alive == []  # sandboxes die with the service
+    async with prorl_serve(instant_model, store) as (url, _), RolloutClient(url) as client:
+        view = await client.wait(job_id)
+    assert view.state == "done" and [t.reward for t in view.results] == [1.0, 1.0]
+
+
+async def test_prorl_rollout_sends_jobs_to_a_running_service(instant_model: str, tmp_path: Path) -> None:  # noqa: F811
+    output = tmp_path / "rollouts.jsonl"
+    async with prorl_serve(instant_model, tmp_path / "jobs.db") as (url, _):
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "nemo_gym_prorl.cli", "rollout", f"service.url={url}", "limit=2", "n_samples=2",
+            f"output={output}", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await asyncio.wait_for(process.communicate(), 300)
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(rows) == 4 and all(row["critical_error"] is None for row in rows)
+    assert "mean reward" in stdout.decode()
