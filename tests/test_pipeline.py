@@ -1,0 +1,178 @@
+"""The three-stage pipeline: every stage's deadline, cancel at every stage and in every queue, errors classified,
+and no sandbox left behind. Stage durations are stretched by a test environment around the real math one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import psutil
+import pytest
+
+from nemo_gym_prorl.envs import make_environment
+from nemo_gym_prorl.envs.base import Episode, Evaluation
+from nemo_gym_prorl.envs.dataset import TaskInstance
+from nemo_gym_prorl.envs.math import MathEnvironment
+from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.models.engine import SamplingParams
+from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.service.agent_loop import AgentLoop
+from nemo_gym_prorl.service.llm_client import TokenInTokenOut
+from nemo_gym_prorl.service.pipeline import PipelineConfig, Rollout, RolloutPipeline, StageConfig
+from nemo_gym_prorl.tool_calls import tool_call_format
+from tests.test_agent_loop import INSTANCE, ScriptedModel
+
+
+class SlowMathEnvironment(MathEnvironment):
+    """Math with init/eval stretched, and a gate the test opens to know a stage is under way."""
+
+    def __init__(self, *args, init_s: float = 0.0, eval_s: float = 0.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.init_s, self.eval_s = init_s, eval_s
+        self.entered: dict[str, asyncio.Event] = {"init": asyncio.Event(), "eval": asyncio.Event()}
+
+    async def stage(self, episode: Episode) -> None:
+        await super().stage(episode)
+        self.entered["init"].set()
+        await asyncio.sleep(self.init_s)
+
+    async def grade(self, episode: Episode) -> Evaluation:
+        self.entered["eval"].set()
+        await asyncio.sleep(self.eval_s)
+        return await super().grade(episode)
+
+
+class BlockingModel(ScriptedModel):
+    """Holds every generation until released; tells the test when one started."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__(tokenizer, ["\\boxed{42}"] * 100)
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def __call__(self, path: str, body: dict) -> dict:
+        self.started.set()
+        await self.release.wait()
+        return await super().__call__(path, body)
+
+
+def sandboxes_left() -> list[psutil.Process]:
+    return [p for p in psutil.Process(os.getpid()).children(recursive=True) if p.name() in ("bwrap", "setpriv", "prlimit")]
+
+
+@pytest.fixture
+def task():
+    return load_task("math/arithmetic").model_copy(update={"max_turns": 2})
+
+
+def rollout(env, model, **kw) -> Rollout:
+    loop = AgentLoop(TokenInTokenOut(model, "m", model.tokenizer, SamplingParams()), tool_call_format("codeact"), 2)
+    return Rollout(env=env, agent=loop, instance=INSTANCE, **kw)
+
+
+def config(**kw) -> PipelineConfig:
+    return PipelineConfig(**{"init": StageConfig(workers=2), "run": StageConfig(workers=2), "eval": StageConfig(workers=2), **kw})
+
+
+async def test_a_rollout_goes_through_all_three_stages(task, tokenizer: Tokenizer) -> None:
+    env = SlowMathEnvironment(task, "bwrap")
+    async with RolloutPipeline(config()) as pipeline:
+        r = rollout(env, ScriptedModel(tokenizer, ["\\boxed{42}"]))
+        pipeline.submit([r])
+        trajectory = await r.done
+    assert trajectory.critical_error is None and trajectory.reward == 1.0 and trajectory.finish == "answer"
+    assert sandboxes_left() == []
+
+
+@pytest.mark.parametrize("stage", ["init", "run", "eval"])
+async def test_each_stage_deadline(task, tokenizer: Tokenizer, stage: str) -> None:
+    env = SlowMathEnvironment(task, "bwrap", init_s=60 if stage == "init" else 0, eval_s=60 if stage == "eval" else 0)
+    model = BlockingModel(tokenizer) if stage == "run" else ScriptedModel(tokenizer, ["\\boxed{42}"])
+    async with RolloutPipeline(config()) as pipeline:
+        r = rollout(env, model, stage_deadlines_s={stage: 0.5})
+        pipeline.submit([r])
+        trajectory = await asyncio.wait_for(r.done, 30)
+    assert trajectory.critical_error == "timeout"
+    assert f"the {stage} stage ran past its deadline of 0.5 s" in trajectory.error
+    assert getattr(trajectory.timing, stage) < 5
+    assert sandboxes_left() == []
+
+
+async def test_job_deadline_counts_stage_time_not_queue_time(task, tokenizer: Tokenizer) -> None:
+    env = SlowMathEnvironment(task, "bwrap", eval_s=0.6)
+    cfg = config(init=StageConfig(workers=1), eval=StageConfig(workers=1))
+    async with RolloutPipeline(cfg) as pipeline:
+        # eight rollouts through one eval worker: the last waits ~4 s in the eval queue, but spends only ~0.6 s
+        # of stage time in eval, within its 3 s job deadline
+        rollouts = [rollout(env, ScriptedModel(tokenizer, ["\\boxed{42}"]), job_deadline_s=3.0) for _ in range(8)]
+        pipeline.submit(rollouts)
+        trajectories = await asyncio.gather(*(r.done for r in rollouts))
+    assert [t.critical_error for t in trajectories] == [None] * 8
+    assert max(t.timing.queued for t in trajectories) > 3.0
+
+
+@pytest.mark.parametrize("stage", ["init", "run", "eval"])
+async def test_cancel_in_each_stage_frees_the_sandbox_at_once(task, tokenizer: Tokenizer, stage: str) -> None:
+    env = SlowMathEnvironment(task, "bwrap", init_s=60 if stage == "init" else 0, eval_s=60 if stage == "eval" else 0)
+    model = BlockingModel(tokenizer) if stage == "run" else ScriptedModel(tokenizer, ["\\boxed{42}"])
+    async with RolloutPipeline(config()) as pipeline:
+        r = rollout(env, model)
+        pipeline.submit([r])
+        started = model.started if stage == "run" else env.entered[stage]
+        await asyncio.wait_for(started.wait(), 30)
+        assert sandboxes_left()
+        await pipeline.cancel(r)
+        assert sandboxes_left() == []
+        trajectory = r.done.result()
+    assert trajectory.critical_error == "cancelled" and f"during {stage}" in trajectory.error
+
+
+async def test_cancel_while_queued_for_eval_frees_the_sandbox(task, tokenizer: Tokenizer) -> None:
+    env = SlowMathEnvironment(task, "bwrap", eval_s=60)
+    async with RolloutPipeline(config(eval=StageConfig(workers=1))) as pipeline:
+        busy, queued = rollout(env, ScriptedModel(tokenizer, ["\\boxed{42}"])), rollout(env, ScriptedModel(tokenizer, ["\\boxed{1}"]))
+        pipeline.submit([busy])
+        await asyncio.wait_for(env.entered["eval"].wait(), 30)
+        pipeline.submit([queued])
+        async with asyncio.timeout(30):
+            while pipeline.status()["eval"]["queued"] < 1:
+                await asyncio.sleep(0.02)
+        await pipeline.cancel(queued)
+        trajectory = queued.done.result()
+        assert trajectory.critical_error == "cancelled" and "queued" in trajectory.error
+        assert len(sandboxes_left()) >= 1  # only the busy one's sandbox is left
+    assert sandboxes_left() == []  # closing the pipeline cancels the rest
+
+
+async def test_errors_are_classified_by_stage(task, tokenizer: Tokenizer) -> None:
+    bad_prompt = make_environment(task.model_copy(update={"prompt_template": "{nope}"}), "bwrap")
+    async with RolloutPipeline(config()) as pipeline:
+        init_error = rollout(bad_prompt, ScriptedModel(tokenizer, []))
+        eval_error = Rollout(
+            env=make_environment(task, "bwrap"),
+            agent=rollout(bad_prompt, ScriptedModel(tokenizer, ["\\boxed{1}"])).agent,
+            instance=TaskInstance(instance_id="x", data={"question": "q", "answer": "@@@"}),
+        )
+        run_error = rollout(make_environment(task, "bwrap"), ScriptedModel(tokenizer, []))  # the model has nothing to say
+        pipeline.submit([init_error, eval_error, run_error])
+        results = await asyncio.gather(init_error.done, eval_error.done, run_error.done)
+    assert [t.critical_error for t in results] == ["init", "eval", "run"]
+    assert "nope" in results[0].error and "not parseable" in results[1].error and "IndexError" in results[2].error
+    assert results[1].finish == "answer"  # the run itself completed; only grading failed
+    assert sandboxes_left() == []
+
+
+async def test_live_sandboxes_are_capped(task, tokenizer: Tokenizer) -> None:
+    env = SlowMathEnvironment(task, "bwrap")
+    model = BlockingModel(tokenizer)
+    async with RolloutPipeline(config(init=StageConfig(workers=4), run=StageConfig(workers=8), max_live_sandboxes=2)) as pipeline:
+        rollouts = [rollout(env, model) for _ in range(5)]
+        pipeline.submit(rollouts)
+        await asyncio.wait_for(model.started.wait(), 30)
+        async with asyncio.timeout(30):
+            while pipeline.status()["run"]["active"] < 2:
+                await asyncio.sleep(0.02)
+        assert pipeline.status()["run"]["active"] == 2 and len([p for p in sandboxes_left() if p.name() == "bwrap"]) == 2
+        model.release.set()
+        trajectories = await asyncio.gather(*(r.done for r in rollouts))
+    assert all(t.critical_error is None for t in trajectories)
