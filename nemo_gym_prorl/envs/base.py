@@ -1,8 +1,10 @@
 """The environment contract: one base every task type implements.
 
 An environment turns a task instance into a staged sandbox (`init`), offers the tools the agent may call
-(`call_tool`), and grades what the agent left behind (`eval`). Concrete task types only say what differs:
-how to stage an instance (`stage`) and how to grade it (`grade`). The agent loop never knows which type it runs.
+(`call_tool`), takes what grading needs from the finished episode (`collect`: the answer, a patch) and grades it
+(`grade`) — without the run's sandbox, so the service can close it before a long evaluation starts. Concrete task
+types only say what differs: how to stage an instance, what to collect, how to grade. The agent loop never knows
+which type it runs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from nemo_gym_prorl.envs.task import TaskConfig
 from nemo_gym_prorl.sandbox import Sandbox, SandboxSpec, open_sandbox
 from nemo_gym_prorl.tool_calls import ToolCall
 from nemo_gym_prorl.tools import ToolOutput, make_tools
+
+Submission = dict[str, Any]
 
 
 class Evaluation(BaseModel):
@@ -75,8 +79,13 @@ class Environment(ABC):
             episode.answer = output.answer
         return output
 
+    async def collect(self, episode: Episode) -> Submission:
+        """What grading needs from the finished episode, read while its sandbox is alive."""
+        return {"answer": episode.answer}
+
     async def eval(self, episode: Episode) -> Evaluation:
-        return await self.grade(episode)
+        """Collect and grade an episode whose sandbox is still alive."""
+        return await self.grade(episode.instance, await self.collect(episode))
 
     async def close(self, episode: Episode) -> None:
         await episode.sandbox.close()
@@ -85,4 +94,5 @@ class Environment(ABC):
         """Put what the task needs into the fresh sandbox. Nothing by default."""
 
     @abstractmethod
-    async def grade(self, episode: Episode) -> Evaluation: ...
+    async def grade(self, instance: TaskInstance, submission: Submission) -> Evaluation:
+        """Grade without the run's sandbox (a task that needs one starts its own, as SWE evaluation does)."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from math_verify import parse, verify
 
-from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation
+from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Submission
+from nemo_gym_prorl.envs.dataset import TaskInstance
 
 
 def grade_answer(answer: str | None, expected: str) -> Evaluation:
@@ -35,6 +36,6 @@ class MathEnvironment(Environment):
         problem = self.prompt_messages(episode.instance)[-1]["content"]
         await episode.sandbox.write_file("problem.txt", problem.encode())
 
-    async def grade(self, episode: Episode) -> Evaluation:
-        expected = str(episode.instance.data[self.task.verifier.get("answer_key", "answer")])
-        return grade_answer(episode.answer, expected)
+    async def grade(self, instance: TaskInstance, submission: Submission) -> Evaluation:
+        expected = str(instance.data[self.task.verifier.get("answer_key", "answer")])
+        return grade_answer(submission.get("answer"), expected)

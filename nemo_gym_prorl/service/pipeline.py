@@ -6,6 +6,9 @@ stages, each kind of work has its own concurrency and a rollout waiting for eval
 generate. Live sandboxes are capped separately (a slot is taken before init and given back when the sandbox is
 closed).
 
+The run stage ends by collecting what grading needs (the answer, a patch) and closing the sandbox, so a long
+evaluation never holds a sandbox slot that the next init could use.
+
 Deadlines count stage time only, never queue time: each stage has its own, and a rollout's stages together have
 the job's. Cancelling a rollout frees its sandbox at once, whatever stage or queue it is in. Every rollout ends in
 a trajectory whose ``critical_error`` says what ended it (init/run/eval/timeout/cancelled, or None).
@@ -23,7 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from nemo_gym_prorl.envs.base import Environment, Episode
+from nemo_gym_prorl.envs.base import Environment, Episode, Submission
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.service.agent_loop import AgentLoop, AgentOutcome
 from nemo_gym_prorl.service.trajectory import Trajectory
@@ -57,6 +60,7 @@ class Rollout:
     stage_deadlines_s: dict[Stage, float | None] = field(default_factory=dict)
     episode: Episode | None = None
     outcome: AgentOutcome | None = None
+    submission: Submission | None = None
     stage_time: float = 0.0
     enqueued_at: float = 0.0
     current: asyncio.Task[None] | None = None
@@ -196,9 +200,10 @@ class RolloutPipeline:
                     assert rollout.episode is not None
                     rollout.outcome = rollout.agent.start(rollout.env, rollout.episode)
                     await rollout.agent.run(rollout.env, rollout.episode, rollout.outcome)
+                    rollout.submission = await rollout.env.collect(rollout.episode)
                 else:
-                    assert rollout.episode is not None
-                    evaluation = await rollout.env.eval(rollout.episode)
+                    assert rollout.submission is not None
+                    evaluation = await rollout.env.grade(rollout.instance, rollout.submission)
                     t = rollout.trajectory
                     t.reward, t.resolved, t.evaluation = evaluation.reward, evaluation.resolved, evaluation.details
         except TimeoutError as e:
@@ -236,12 +241,13 @@ class RolloutPipeline:
             self._enqueue("run", rollout)
         elif stage == "run":
             rollout.run_completed = True
+            await self._close_sandbox(rollout)
             self._enqueue("eval", rollout)
         else:
             await self._finish(rollout, None, None)
 
     async def _finish(self, rollout: Rollout, critical_error: str | None, error: str | None) -> None:
-        """Close the sandbox (shielded: a cancelled caller never leaks it) and hand the trajectory over, once."""
+        """Close the sandbox if still open and hand the trajectory over, once."""
         if rollout.finished:
             return
         rollout.finished = True
@@ -255,15 +261,22 @@ class RolloutPipeline:
         if critical_error is not None and not rollout.run_completed:
             t.finish = "error"
         try:
-            if rollout.episode is not None:
-                await asyncio.shield(rollout.env.close(rollout.episode))
+            await self._close_sandbox(rollout)
+        finally:
+            self._live.discard(rollout)
+            if not rollout.done.done():
+                rollout.done.set_result(t)
+
+    async def _close_sandbox(self, rollout: Rollout) -> None:
+        """Close the rollout's sandbox (shielded: a cancelled caller never leaks it) and give its slot back."""
+        episode, rollout.episode = rollout.episode, None
+        try:
+            if episode is not None:
+                await asyncio.shield(rollout.env.close(episode))
         finally:
             if rollout.holds_sandbox_slot:
                 rollout.holds_sandbox_slot = False
                 self._sandbox_slots.release()
-            self._live.discard(rollout)
-            if not rollout.done.done():
-                rollout.done.set_result(t)
 
 
 async def run_rollouts(
