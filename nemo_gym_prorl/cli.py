@@ -27,7 +27,7 @@ commands:
             prorl rollout task=math model=local sandbox=bwrap n_samples=4 limit=8 output=rollouts.jsonl
             (service.url=http://host:8100 sends the jobs to a running `prorl serve` instead)
   serve     the rollout service over HTTP (conf/serve.yaml), e.g. prorl serve service.port=8100
-  bench     benchmarks: prorl bench model
+  bench     benchmarks: prorl bench model | pipeline
 """
 
 
@@ -85,8 +85,10 @@ def serve_command(overrides: list[str]) -> None:
 def bench_command(args: list[str]) -> None:
     from nemo_gym_prorl.bench import run_benchmark
 
-    if not args:
-        raise UsageError("bench needs a benchmark name: model")
+    from nemo_gym_prorl.bench import BENCHMARKS
+
+    if not args or args[0] not in BENCHMARKS:
+        raise UsageError(f"bench needs a benchmark name: {', '.join(BENCHMARKS)}")
     run_benchmark(args[0], args[1:])
 
 

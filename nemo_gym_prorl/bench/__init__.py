@@ -5,13 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def _model(args: list[str]) -> None:
-    from nemo_gym_prorl.bench.model import main
+def _lazy(module: str) -> Callable[[list[str]], None]:
+    """Benchmarks import heavy things; only the one asked for is loaded."""
 
-    main(args)
+    def run(args: list[str]) -> None:
+        import importlib
+
+        importlib.import_module(f"nemo_gym_prorl.bench.{module}").main(args)
+
+    return run
 
 
-BENCHMARKS: dict[str, Callable[[list[str]], None]] = {"model": _model}
+BENCHMARKS: dict[str, Callable[[list[str]], None]] = {"model": _lazy("model"), "pipeline": _lazy("pipeline")}
 
 
 def run_benchmark(name: str, args: list[str]) -> None:
