@@ -23,7 +23,9 @@ async def test_no_request_gets_a_server_error(instant_model: str, tmp_path: Path
             "--request-timeout", "120", "--generation-deterministic",
             *[arg for path in EXCLUDED for arg in ("--exclude-path", path)],
         ]
-        process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=tmp_path  # it writes .schemathesis/
+        )
         output, _ = await asyncio.wait_for(process.communicate(), 600)
     report = output.decode(errors="replace")
     assert process.returncode == 0, report[-4000:]
