@@ -35,7 +35,12 @@ def register_backend(name: str, factory: Callable[[SandboxSpec], Sandbox]) -> No
 
 
 def open_sandbox(backend: str, spec: SandboxSpec) -> Sandbox:
-    """A new, not yet started sandbox of `backend`; use it as `async with open_sandbox(...) as sbx:`."""
+    """A new, not yet started sandbox of `backend`; use it as `async with open_sandbox(...) as sbx:`.
+    ``gym:<provider>`` runs on one of NeMo Gym's own sandbox providers (e.g. ``gym:local``)."""
+    if backend.startswith("gym:"):
+        from nemo_gym_prorl.sandbox.gym_provider import GymProviderSandbox
+
+        return GymProviderSandbox(spec, backend.removeprefix("gym:"))
     try:
         factory = _BACKENDS[backend]
     except KeyError:

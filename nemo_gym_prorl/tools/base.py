@@ -1,7 +1,11 @@
 """The tool contract: an OpenAI function schema plus an async implementation over a sandbox.
 
-Tools never raise for what the model asked: a bad argument or a failed command comes back as text the model can
-read, so one sloppy call never ends a rollout.
+Tools never raise for what the model asked: a bad argument, a failed command or a path outside the workspace
+comes back as text the model can read, so one sloppy call never ends a rollout. Only `SandboxError` (the sandbox
+itself is gone) propagates: the rollout cannot go on, and the orchestrator records it as a `run` failure.
+
+A tool object holds no per-rollout state of its own: one instance serves every sandbox of an environment, so
+state that belongs to a sandbox (the editor's undo history, the Python interpreter) is keyed by the sandbox.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from nemo_gym_prorl.sandbox.base import Sandbox
+from nemo_gym_prorl.sandbox.base import WORKSPACE, Sandbox
 
 
 class ToolOutput(BaseModel):
@@ -44,5 +48,16 @@ def string_argument(arguments: dict[str, Any], key: str) -> str:
     """The string argument `key`, or ValueError with a message meant for the model."""
     value = arguments.get(key)
     if not isinstance(value, str):
-        raise ValueError(f'argument "{key}" (a string) is required, got {type(value).__name__}')
+        got = "nothing" if value is None else type(value).__name__
+        raise ValueError(f'argument "{key}" (a string) is required, got {got}')
     return value
+
+
+def workspace_dir(sandbox: Sandbox) -> str:
+    """The workspace as commands inside `sandbox` see it.
+
+    Our own backends mount it at /workspace. A sandbox over a NeMo Gym provider keeps it wherever that provider
+    puts its working directory (the host's temp dir, for Gym's `local`) and says so in its `workdir` attribute.
+    """
+    workdir = getattr(sandbox, "workdir", None)
+    return workdir if isinstance(workdir, str) and workdir.startswith("/") else WORKSPACE
