@@ -10,7 +10,7 @@ which type it runs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -37,8 +37,10 @@ class Episode:
     """One rollout's live state inside an environment."""
 
     instance: TaskInstance
-    sandbox: Sandbox
+    sandbox: Sandbox | None  # None for environments whose server owns the sandbox
     answer: str | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)  # the conversation so far; the agent loop appends
+    session: Any = None  # environment-specific state (a Gym session's cookies)
 
 
 class Environment(ABC):
@@ -56,7 +58,8 @@ class Environment(ABC):
         system = [{"role": "system", "content": self.task.system_prompt}] if self.task.system_prompt else []
         return [*system, {"role": "user", "content": user}]
 
-    def tool_schemas(self) -> list[dict[str, Any]]:
+    def tool_schemas(self, instance: TaskInstance | None = None) -> list[dict[str, Any]]:
+        """The tools offered; an environment whose rows carry their own tools uses `instance`."""
         return [tool.schema() for tool in self.tools.values()]
 
     async def init(self, instance: TaskInstance) -> Episode:
@@ -74,6 +77,7 @@ class Environment(ABC):
         tool = self.tools.get(call.name)
         if tool is None:
             return ToolOutput(text=f"unknown tool {call.name!r}; available: {', '.join(self.tools)}")
+        assert episode.sandbox is not None
         output = await tool(episode.sandbox, call.arguments)
         if output.finished:
             episode.answer = output.answer
@@ -88,7 +92,8 @@ class Environment(ABC):
         return await self.grade(episode.instance, await self.collect(episode))
 
     async def close(self, episode: Episode) -> None:
-        await episode.sandbox.close()
+        if episode.sandbox is not None:
+            await episode.sandbox.close()
 
     async def stage(self, episode: Episode) -> None:
         """Put what the task needs into the fresh sandbox. Nothing by default."""

@@ -28,16 +28,17 @@ class DatasetConfig(BaseModel):
 
 class TaskConfig(BaseModel):
     name: str
-    type: Literal["math"]
+    type: Literal["math", "gym"]
     dataset: DatasetConfig
     system_prompt: str = ""
-    prompt_template: str = Field(description="str.format template over the dataset row's columns")
-    tools: list[str]
+    prompt_template: str = Field("", description="str.format template over the dataset row's columns")
+    tools: list[str] = Field(default_factory=list)
     tool_call_format: ToolCallFormatName | None = Field(None, description="overrides the model's default")
     max_turns: int = Field(8, ge=1)
     tool_timeout_s: float = Field(30.0, gt=0)
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     verifier: dict[str, Any] = Field(default_factory=dict, description="settings of the task type's grader")
+    resources_server_url: str | None = Field(None, description="type gym: the NeMo Gym resources server")
 
 
 def task_path(name: str, tasks_dir: Path = TASKS_DIR) -> Path:

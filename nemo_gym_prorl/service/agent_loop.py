@@ -61,8 +61,9 @@ class AgentLoop:
     def start(self, env: Environment, episode: Episode) -> AgentOutcome:
         """The outcome `run` fills in as it goes, so what happened survives a timeout or a cancel."""
         # CodeAct agents act through code blocks the prompt describes, not through function schemas.
-        tools = [] if self.tool_format.name == "codeact" else env.tool_schemas()
-        return AgentOutcome(messages=env.prompt_messages(episode.instance), tools=tools, finish="max_turns")
+        tools = [] if self.tool_format.name == "codeact" else env.tool_schemas(episode.instance)
+        episode.messages = env.prompt_messages(episode.instance)
+        return AgentOutcome(messages=episode.messages, tools=tools, finish="max_turns")
 
     async def run(self, env: Environment, episode: Episode, outcome: AgentOutcome | None = None) -> AgentOutcome:
         outcome = outcome or self.start(env, episode)

@@ -1,9 +1,7 @@
 """NeMo Gym's agent ``POST /run`` on the rollout service: a Gym dataset row in, a Gym verify response out.
 
 NeMo RL's GRPO calls ``/run`` once per row and trains on the output items that carry ``prompt_token_ids``,
-``generation_token_ids`` and ``generation_log_probs``. Each assistant turn becomes a ``message`` item (its text) and
-``function_call`` items (its tool calls), with the turn's token fields on the last of them; tool results become
-``function_call_output`` items. The row's sampling parameters (``temperature``, ``top_p``, ``max_output_tokens``)
+``generation_token_ids`` and ``generation_log_probs`` (see ``gym.responses``). The row's sampling parameters (``temperature``, ``top_p``, ``max_output_tokens``)
 pass through unchanged. Extra row keys (``_rowidx``, ``_ng_task_index``, …) are accepted; every call is a fresh
 rollout, so calling again for the same row is safe.
 """
@@ -22,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.service.app import bearer_guard
 from nemo_gym_prorl.service.orchestrator import JobRequest, Orchestrator
-from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory
+from nemo_gym_prorl.gym.responses import gym_output_items
+from nemo_gym_prorl.service.trajectory import Trajectory
 
 _FAILURE_KINDS = {
     "init": PROVIDER_UNAVAILABLE,
@@ -52,47 +51,6 @@ def row_sampling(params: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**values)
 
 
-def gym_output_items(trajectory: Trajectory) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = []
-    pending_calls: list[str] = []
-    for message in trajectory.messages:
-        role = message.get("role")
-        if role == "assistant" and "generation_token_ids" in message:
-            turn: list[dict[str, Any]] = []
-            if message.get("content"):
-                turn.append(
-                    {
-                        "id": f"msg_{uuid.uuid4().hex[:16]}",
-                        "type": "message",
-                        "role": "assistant",
-                        "status": "completed",
-                        "content": [{"type": "output_text", "text": message["content"], "annotations": []}],
-                    }
-                )
-            pending_calls = []
-            for call in message.get("tool_calls") or []:
-                pending_calls.append(call["id"])
-                turn.append(
-                    {
-                        "type": "function_call",
-                        "call_id": call["id"],
-                        "name": call["function"]["name"],
-                        "arguments": call["function"]["arguments"],
-                        "status": "completed",
-                    }
-                )
-            if not turn:  # an empty reply still carries its tokens (e.g. just the end-of-turn token)
-                turn.append({"id": f"msg_{uuid.uuid4().hex[:16]}", "type": "message", "role": "assistant", "status": "completed", "content": []})
-            turn[-1].update({field: message[field] for field in TOKEN_FIELDS})
-            items += turn
-        elif pending_calls and role in ("tool", "user"):
-            # tool results follow their assistant turn in call order (codeact sends them as user messages)
-            items.append({"type": "function_call_output", "call_id": pending_calls.pop(0), "output": message.get("content") or ""})
-        else:
-            pending_calls = []
-    return items
-
-
 def gym_verify_response(row: GymRunRequest, trajectory: Trajectory, model: str) -> dict[str, Any]:
     masked = trajectory.critical_error is not None or any(m.get("mask") for m in trajectory.messages)
     response = {
@@ -100,7 +58,7 @@ def gym_verify_response(row: GymRunRequest, trajectory: Trajectory, model: str) 
         "object": "response",
         "created_at": time.time(),
         "model": model,
-        "output": gym_output_items(trajectory),
+        "output": gym_output_items(trajectory.messages),
         "parallel_tool_calls": True,
         "tool_choice": "auto",
         "tools": [],

@@ -1,0 +1,115 @@
+"""An environment served by any NeMo Gym resources server over HTTP, so the orchestrator drives Gym's servers too.
+
+The task's dataset holds Gym rows (``responses_create_params`` with the input messages and the tools, plus the
+server's own fields). An episode is a Gym session: ``/seed_session`` with the row (cookies carry the session, as
+Gym's agents do), each tool call a ``POST /<tool name>``, and grading ``/verify`` with the conversation as Gym
+Responses-API output. The resources server owns its sandboxes; this side holds none. Sessions seeded this way (Gym's legacy agent path,
+which every resources server accepts) have no close call: a cancelled episode's server-side state is the server's
+to expire.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Submission
+from nemo_gym_prorl.envs.dataset import TaskInstance
+from nemo_gym_prorl.envs.task import TaskConfig
+from nemo_gym_prorl.gym.responses import gym_output_items
+from nemo_gym_prorl.tool_calls import ToolCall
+from nemo_gym_prorl.tools import ToolOutput
+
+
+def chat_tools(responses_tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses-API function tools (flat) as chat-completions tools (nested under ``function``)."""
+    out = []
+    for tool in responses_tools:
+        if tool.get("type") == "function":
+            function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+            out.append({"type": "function", "function": function})
+    return out
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content or [] if isinstance(part, dict))
+
+
+class GymResourcesEnvironment(Environment):
+    def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap", http: httpx.AsyncClient | None = None) -> None:
+        if not task.resources_server_url:
+            raise ValueError(f"task {task.name!r}: a gym task needs resources_server_url")
+        super().__init__(task, sandbox_backend)
+        self.url = task.resources_server_url.rstrip("/")
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(task.tool_timeout_s + 30), trust_env=False)
+
+    @staticmethod
+    def _params(instance: TaskInstance) -> dict[str, Any]:
+        params = instance.data.get("responses_create_params")
+        if not isinstance(params, dict):
+            raise ValueError("a Gym row needs responses_create_params with the input messages")
+        return params
+
+    def prompt_messages(self, instance: TaskInstance) -> list[dict[str, Any]]:
+        params = self._params(instance)
+        raw = params.get("input")
+        if isinstance(raw, str):
+            return [{"role": "user", "content": raw}]
+        if not isinstance(raw, list) or not raw:
+            raise ValueError("responses_create_params.input must be a string or a non-empty list of messages")
+        messages = [{"role": "system", "content": params["instructions"]}] if params.get("instructions") else []
+        for item in raw:
+            role = "system" if item.get("role") == "developer" else item.get("role", "user")
+            messages.append({"role": role, "content": _content_text(item.get("content"))})
+        return messages
+
+    def tool_schemas(self, instance: TaskInstance | None = None) -> list[dict[str, Any]]:
+        return chat_tools(self._params(instance).get("tools") or []) if instance is not None else []
+
+    async def init(self, instance: TaskInstance) -> Episode:
+        cookies = httpx.Cookies()
+        response = await self._http.post(f"{self.url}/seed_session", json=instance.data)
+        response.raise_for_status()
+        cookies.update(response.cookies)
+        return Episode(instance=instance, sandbox=None, session=cookies)
+
+    async def call_tool(self, episode: Episode, call: ToolCall) -> ToolOutput:
+        response = await self._http.post(f"{self.url}/{call.name}", json=call.arguments, cookies=episode.session)
+        if response.status_code == 404:
+            return ToolOutput(text=f"unknown tool {call.name!r}")
+        if response.status_code == 422:
+            return ToolOutput(text=f"{call.name}: invalid arguments: {response.text[:500]}")
+        response.raise_for_status()
+        episode.session.update(response.cookies)
+        return ToolOutput(text=response.text)
+
+    async def collect(self, episode: Episode) -> Submission:
+        return {"output": gym_output_items(episode.messages), "cookies": dict(episode.session)}
+
+    async def grade(self, instance: TaskInstance, submission: Submission) -> Evaluation:
+        params = self._params(instance)
+        body = instance.data | {
+            "response": {
+                "id": "resp_prorl",
+                "object": "response",
+                "created_at": 0,
+                "model": "policy",
+                "output": submission["output"],
+                "parallel_tool_calls": True,
+                "tool_choice": "auto",
+                "tools": params.get("tools") or [],
+            }
+        }
+        response = await self._http.post(f"{self.url}/verify", json=body, cookies=submission["cookies"])
+        response.raise_for_status()
+        verdict = response.json()
+        reward = float(verdict["reward"])
+        details = {k: v for k, v in verdict.items() if k not in body and k != "reward"}
+        return Evaluation(reward=reward, resolved=reward >= 1.0, details=json.loads(json.dumps(details, default=str)))
+
+    async def close(self, episode: Episode) -> None:
+        """Nothing to release here: a Gym session seeded with a row (as Gym's own agents seed it) ends at verify."""
