@@ -16,7 +16,7 @@ def _lazy(module: str) -> Callable[[list[str]], None]:
     return run
 
 
-BENCHMARKS: dict[str, Callable[[list[str]], None]] = {"model": _lazy("model"), "pipeline": _lazy("pipeline")}
+BENCHMARKS: dict[str, Callable[[list[str]], None]] = {name: _lazy(name) for name in ("model", "pipeline", "scale")}
 
 
 def run_benchmark(name: str, args: list[str]) -> None:

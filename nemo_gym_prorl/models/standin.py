@@ -26,7 +26,11 @@ from nemo_gym_prorl.models.tokenizer import Tokenizer
 
 
 def create_standin_app(
-    tokenizer: Tokenizer, script: list[str], latency_s: float = 0.0, max_concurrency: int | None = None
+    tokenizer: Tokenizer,
+    script: list[str],
+    latency_s: float = 0.0,
+    max_concurrency: int | None = None,
+    hold: bool = False,
 ) -> FastAPI:
     if not script:
         raise ValueError("the stand-in model needs at least one scripted reply")
@@ -35,6 +39,10 @@ def create_standin_app(
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     app = FastAPI(title="nemo-gym-prorl stand-in model")
     app.state.requests = 0
+    app.state.waiting = 0
+    released = asyncio.Event()
+    if not hold:
+        released.set()
 
     def turns_in(prompt: list[int]) -> int:
         """Assistant turns already in a token prompt: occurrences of the generation prompt, minus the open one."""
@@ -44,6 +52,12 @@ def create_standin_app(
 
     async def generate(k: int) -> list[int]:
         app.state.requests += 1
+        if not released.is_set():
+            app.state.waiting += 1
+            try:
+                await released.wait()
+            finally:
+                app.state.waiting -= 1
         if gate is None:
             if latency_s:
                 await asyncio.sleep(latency_s)
@@ -56,6 +70,16 @@ def create_standin_app(
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/control/stats")
+    async def stats() -> dict[str, int]:
+        return {"requests": app.state.requests, "waiting": app.state.waiting}
+
+    @app.post("/control/release")
+    async def release() -> dict[str, int]:
+        """With --hold, requests wait until this is called (a benchmark's way to keep rollouts live)."""
+        released.set()
+        return {"released": app.state.waiting}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -99,11 +123,15 @@ def create_standin_app(
     return app
 
 
-def standin_argv(script: list[str], latency_s: float = 0.0, max_concurrency: int | None = None) -> list[str]:
+def standin_argv(
+    script: list[str], latency_s: float = 0.0, max_concurrency: int | None = None, hold: bool = False
+) -> list[str]:
     """The command that starts this server (for `ModelServerProcess`)."""
     argv = [sys.executable, "-m", "nemo_gym_prorl.models.standin", "--latency-s", str(latency_s)]
     if max_concurrency:
         argv += ["--max-concurrency", str(max_concurrency)]
+    if hold:
+        argv.append("--hold")
     return [*argv, "--script", *script]
 
 
@@ -113,12 +141,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--latency-s", type=float, default=0.0)
     parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--hold", action="store_true", help="hold every request until POST /control/release")
     parser.add_argument("--script", nargs="+", required=True)
     args = parser.parse_args(argv)
-    app = create_standin_app(Tokenizer.from_gguf(default_gguf()), args.script, args.latency_s, args.max_concurrency)
-    sock = socket.create_server((args.host, args.port))
+    app = create_standin_app(
+        Tokenizer.from_gguf(default_gguf()), args.script, args.latency_s, args.max_concurrency, args.hold
+    )
+    sock = socket.create_server((args.host, args.port), backlog=4096)
     print(f"{READY_LINE} {sock.getsockname()[1]}", flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", backlog=4096)).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,105 @@
+"""Many live rollouts at once on this machine: each in its own real bubblewrap sandbox, all waiting on a stand-in
+model that holds every request until told to answer. Reports the service's memory and file descriptors per live
+rollout, the sandboxes' memory, and that every rollout then finishes without error and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import time
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+import httpx
+import psutil
+
+from nemo_gym_prorl.models.launcher import ModelServerProcess
+from nemo_gym_prorl.models.standin import standin_argv
+from nemo_gym_prorl.service.client import RolloutClient
+from nemo_gym_prorl.service.llm_pool import LLMPoolConfig
+from nemo_gym_prorl.service.orchestrator import JobRequest
+from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
+from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.service.serve import run_service
+
+ROW = {"id": "scale", "question": "Calculate 6 * 7.", "answer": "42"}
+SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]
+
+
+def _tree_rss_mb(root: psutil.Process, names: set[str]) -> tuple[int, float]:
+    procs = [p for p in root.children(recursive=True) if p.name() in names]
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_full_info().uss
+        except psutil.NoSuchProcess:
+            pass
+    return len(procs), total / 2**20
+
+
+async def _run(rollouts: int, per_job: int, init_workers: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    me = psutil.Process(os.getpid())
+    async with ModelServerProcess(standin_argv(SCRIPT, hold=True)) as model:
+        with TemporaryDirectory() as tmp:
+            pipeline = PipelineConfig(
+                init=StageConfig(workers=init_workers, deadline_s=600),
+                run=StageConfig(workers=rollouts, deadline_s=3600),
+                eval=StageConfig(workers=16),
+                max_live_sandboxes=rollouts,
+            )
+            settings = ServiceSettings(
+                port=0, store=Path(tmp) / "jobs.db", pipeline=pipeline, max_n=per_job,
+                llm_pool=LLMPoolConfig(max_connections=rollouts + 64, health_interval_s=0),
+            )
+            config = ServiceConfig(
+                service=settings, model=ModelConfig(kind="remote", addresses=[model.base_url], served_model_name="standin")
+            )
+            async with run_service(config) as svc, RolloutClient(svc.url) as client, httpx.AsyncClient() as control:
+                rss_before, fds_before = me.memory_info().rss / 2**20, me.num_fds()
+                started = time.perf_counter()
+                jobs = [
+                    await client.submit(JobRequest(instance=ROW, n=min(per_job, rollouts - i)))
+                    for i in range(0, rollouts, per_job)
+                ]
+                stats_url = model.base_url.removesuffix("/v1") + "/control/stats"
+                while (await control.get(stats_url)).json()["waiting"] < rollouts:
+                    await asyncio.sleep(0.5)
+                ramp_s = time.perf_counter() - started
+                rss_live = me.memory_info().rss / 2**20
+                fds_live = me.num_fds()
+                n_sandbox_procs, sandbox_mb = _tree_rss_mb(me, {"bwrap", "bash"})
+                status = svc.orchestrator.status()
+                print(f"{rollouts} live rollouts after {ramp_s:.1f} s: all waiting on the model "
+                      f"(run stage active {status['stages']['run']['active']}, {status['live_rollouts']} live)")
+                print(f"service process: RSS {rss_before:.0f} MB idle -> {rss_live:.0f} MB live, "
+                      f"{(rss_live - rss_before) * 1024 / rollouts:.1f} KB per rollout")
+                print(f"service file descriptors: {fds_before} idle -> {fds_live} live, "
+                      f"{(fds_live - fds_before) / rollouts:.2f} per rollout")
+                print(f"sandboxes: {n_sandbox_procs} processes, {sandbox_mb:.0f} MB unique memory, "
+                      f"{sandbox_mb * 1024 / rollouts:.0f} KB per rollout")
+                await control.post(model.base_url.removesuffix("/v1") + "/control/release")
+                results = [t for job in jobs for t in (await client.wait(job)).results]
+                total_s = time.perf_counter() - started
+                errors = [t for t in results if t.critical_error]
+                left, _ = _tree_rss_mb(me, {"bwrap", "bash"})
+                print(f"finished: {len(results)} rollouts in {total_s:.1f} s, {len(errors)} errors, "
+                      f"mean reward {sum(t.reward for t in results) / len(results):.2f}, sandbox processes left {left}")
+                if errors:
+                    print(f"first error: {errors[0].critical_error}: {errors[0].error}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    print(f"scale: {rollouts} concurrent live rollouts, {len(errors)} errors, "
+          f"{(rss_live - rss_before) * 1024 / rollouts:.1f} KB service RSS and {(fds_live - fds_before) / rollouts:.2f} fds per rollout")
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="prorl bench scale")
+    parser.add_argument("--rollouts", type=int, default=2000)
+    parser.add_argument("--per-job", type=int, default=100, help="samples per job")
+    parser.add_argument("--init-workers", type=int, default=32)
+    args = parser.parse_args(argv)
+    asyncio.run(_run(args.rollouts, args.per_job, args.init_workers))
