@@ -63,3 +63,9 @@ CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" \
   "$VENV/bin/python" -m pip install -q --ignore-requires-python -e '.[test]'
 echo "$fingerprint" > "$STAMP"
 echo "bootstrap: done"
+
+# --- NeMo Gym venv links (owned by nemo_gym_prorl/gym) -------------------------------------------------------------
+# Gym starts each server from <uv_venv_dir>/<type>/<name>/.venv; link those to .venv so it needs neither uv nor the
+# network (nemo_gym_prorl/gym/env.yaml points uv_venv_dir at .venv/gym-venvs).
+"$VENV/bin/python" -m nemo_gym_prorl.gym.venvs
+# --- end NeMo Gym venv links -------------------------------------------------------------------------------------

@@ -32,3 +32,14 @@ def test_unparseable_or_missing_answers_get_zero_with_a_reason(answer: str | Non
 def test_an_unparseable_expected_answer_is_an_error_not_a_zero() -> None:
     with pytest.raises(ValueError, match="not parseable"):
         grade_answer("\\boxed{1}", "@@@")
+
+
+def test_grading_works_off_the_main_thread() -> None:
+    """Services grade in worker threads too; math-verify's SIGALRM timeout must not break that."""
+    import threading
+
+    results = []
+    worker = threading.Thread(target=lambda: results.append(grade_answer("\\boxed{-6}", "-6")))
+    worker.start()
+    worker.join()
+    assert results[0].resolved

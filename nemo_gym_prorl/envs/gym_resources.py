@@ -18,7 +18,7 @@ import httpx
 from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Submission
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.envs.task import TaskConfig
-from nemo_gym_prorl.gym.responses import gym_output_items
+from nemo_gym_prorl.gym.output_items import gym_output_items
 from nemo_gym_prorl.tool_calls import ToolCall
 from nemo_gym_prorl.tools import ToolOutput
 

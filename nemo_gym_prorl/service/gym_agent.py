@@ -1,7 +1,7 @@
 """NeMo Gym's agent ``POST /run`` on the rollout service: a Gym dataset row in, a Gym verify response out.
 
 NeMo RL's GRPO calls ``/run`` once per row and trains on the output items that carry ``prompt_token_ids``,
-``generation_token_ids`` and ``generation_log_probs`` (see ``gym.responses``). The row's sampling parameters (``temperature``, ``top_p``, ``max_output_tokens``)
+``generation_token_ids`` and ``generation_log_probs`` (see ``gym.output_items``). The row's sampling parameters (``temperature``, ``top_p``, ``max_output_tokens``)
 pass through unchanged. Extra row keys (``_rowidx``, ``_ng_task_index``, …) are accepted; every call is a fresh
 rollout, so calling again for the same row is safe.
 """
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.service.app import bearer_guard
 from nemo_gym_prorl.service.orchestrator import JobRequest, Orchestrator
-from nemo_gym_prorl.gym.responses import gym_output_items
+from nemo_gym_prorl.gym.output_items import gym_output_items
 from nemo_gym_prorl.service.trajectory import Trajectory
 
 _FAILURE_KINDS = {

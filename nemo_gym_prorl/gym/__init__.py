@@ -1,0 +1,9 @@
+"""NeMo Gym glue. This folder is a Gym plugin root: Gym finds `resources_servers/prorl_math/` and `env.yaml` here
+when it is on `NEMO_GYM_EXTRA_ROOTS` (or given with `--search-dir`). The modules beside them are what those
+servers share: dataset rows (`rows`), live episodes by session (`sessions`), submitted answers (`answers`) and the
+venv links that let Gym start servers offline (`venvs`). See README.md for the commands.
+"""
+
+from pathlib import Path
+
+PLUGIN_ROOT = Path(__file__).resolve().parent
