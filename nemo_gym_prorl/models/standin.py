@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.server import READY_LINE
 from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.tool_calls import parse_hermes
 
 
 def create_standin_app(
@@ -111,14 +112,23 @@ def create_standin_app(
             prompt = earlier[-1]["prompt_token_ids"] + earlier[-1]["generation_token_ids"] + tokenizer.encode(tail)
         else:
             prompt = tokenizer.encode(template.render(messages, body.get("tools"), add_generation_prompt=True))
-        message = {
+        text = tokenizer.decode(ids)
+        message: dict[str, Any] = {
             "role": "assistant",
-            "content": tokenizer.decode(ids),
+            "content": text,
             "prompt_token_ids": prompt,
             "generation_token_ids": ids,
             "generation_log_probs": [-0.1] * len(ids),
         }
-        return {"id": "chatcmpl-standin", "object": "chat.completion", "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+        finish_reason = "stop"
+        if body.get("tools"):  # as the real server: Hermes <tool_call> blocks become OpenAI tool_calls
+            parsed = parse_hermes(text)
+            if parsed.tool_calls:
+                message["content"] = parsed.content or None
+                message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+                finish_reason = "tool_calls"
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason}
+        return {"id": "chatcmpl-standin", "object": "chat.completion", "choices": [choice]}
 
     return app
 
