@@ -7,7 +7,6 @@ sandboxes are real bubblewrap sandboxes.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager

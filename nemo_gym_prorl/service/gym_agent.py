@@ -9,7 +9,6 @@ rollout, so calling again for the same row is safe.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 from fastapi import FastAPI
