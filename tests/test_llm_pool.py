@@ -504,3 +504,12 @@ async def test_completions_through_the_pool_on_the_real_model_server(model_serve
         await pool.check_health()
         assert state(pool, model_server.base_url).healthy and not state(pool, dead).healthy
         assert state(pool, model_server.base_url).requests == 2 and pool.in_flight == 0
+
+
+async def test_waiting_requests_probe_ejected_backends_even_without_health_rounds(stand_in) -> None:
+    """With periodic probing off, a backend ejected by failures must come back for the requests waiting on it."""
+    backend = await stand_in("a")
+    backend.fail_next = 1
+    async with LLMPool(config(failures_to_eject=1, max_retries=1), [backend.address]) as pool:
+        body = await asyncio.wait_for(pool.post("t1", "/completions", {"prompt": [1]}), WAIT)
+        assert body["backend"] == "a" and state(pool, backend).healthy and backend.completions == 2

@@ -15,7 +15,9 @@ from tempfile import TemporaryDirectory
 
 import httpx
 import psutil
+import yaml
 
+from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
 from nemo_gym_prorl.service.client import RolloutClient
@@ -46,6 +48,11 @@ async def _run(rollouts: int, per_job: int, init_workers: int) -> None:
     me = psutil.Process(os.getpid())
     async with ModelServerProcess(standin_argv(SCRIPT, hold=True)) as model:
         with TemporaryDirectory() as tmp:
+            # the arithmetic task, with a sandbox lifetime that outlasts ramping up thousands of them
+            task = load_task("math/arithmetic")
+            task.limits.wall_clock_s = 3600
+            task_file = Path(tmp) / "scale-task.yaml"
+            task_file.write_text(yaml.safe_dump(task.model_dump(mode="json")))
             pipeline = PipelineConfig(
                 init=StageConfig(workers=init_workers, deadline_s=600),
                 run=StageConfig(workers=rollouts, deadline_s=3600),
@@ -53,7 +60,7 @@ async def _run(rollouts: int, per_job: int, init_workers: int) -> None:
                 max_live_sandboxes=rollouts,
             )
             settings = ServiceSettings(
-                port=0, store=Path(tmp) / "jobs.db", pipeline=pipeline, max_n=per_job,
+                port=0, store=Path(tmp) / "jobs.db", pipeline=pipeline, max_n=per_job, tasks=[str(task_file)],
                 llm_pool=LLMPoolConfig(max_connections=rollouts + 64, health_interval_s=0),
             )
             config = ServiceConfig(

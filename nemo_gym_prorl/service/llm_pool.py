@@ -114,6 +114,7 @@ class LLMPool:
         self._paused = False
         self._changed = asyncio.Event()  # set and replaced on every change waiters care about
         self._health_task: asyncio.Task[None] | None = None
+        self._on_demand_probe: asyncio.Task[None] | None = None
         for address in addresses:
             self.add(address)
 
@@ -216,8 +217,10 @@ class LLMPool:
                     backend.in_flight += 1
                     self._in_flight += 1
                     return backend
-                elif deadline is None:
-                    deadline = loop.time() + self.config.wait_for_backend_s
+                else:
+                    if deadline is None:
+                        deadline = loop.time() + self.config.wait_for_backend_s
+                    self._probe_ejected_soon()
                 changed = self._changed
                 try:
                     async with asyncio.timeout_at(deadline):
@@ -287,6 +290,16 @@ class LLMPool:
         else:
             self._succeeded(backend)
 
+    def _probe_ejected_soon(self) -> None:
+        """Requests are waiting and every backend is ejected: probe them now instead of at the next round (there
+        may be no rounds at all), at most once a second."""
+        if self._on_demand_probe is None or self._on_demand_probe.done():
+            self._on_demand_probe = asyncio.get_running_loop().create_task(self._probe_ejected())
+
+    async def _probe_ejected(self) -> None:
+        await asyncio.gather(*(self._probe(b) for b in list(self._backends.values()) if not b.healthy))
+        await asyncio.sleep(1.0)  # a rate limit: the next on-demand round starts no sooner
+
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_interval_s)  # a period, not a synchronisation
@@ -317,11 +330,12 @@ class LLMPool:
             self._health_task = asyncio.create_task(self._health_loop(), name="llm-pool-health")
 
     async def aclose(self) -> None:
-        task, self._health_task = self._health_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for task in (self._health_task, self._on_demand_probe):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._health_task = self._on_demand_probe = None
         if self._owns_http:
             await self._http.aclose()
 
