@@ -9,9 +9,11 @@ VENV=.venv
 STAMP="$VENV/.prorl-installed"
 
 need_apt=()
-for tool in bwrap:bubblewrap setpriv:util-linux prlimit:util-linux cmake:cmake g++:g++ make:make git:git; do
+for tool in bwrap:bubblewrap setpriv:util-linux prlimit:util-linux unshare:util-linux cmake:cmake g++:g++ make:make git:git; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || need_apt+=("${tool#*:}")
 done
+# the sandbox's seccomp filter is compiled with libseccomp (through pyseccomp)
+ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || need_apt+=(libseccomp2)
 if ((${#need_apt[@]})); then
   echo "bootstrap: installing system packages: ${need_apt[*]}"
   apt-get update -qq

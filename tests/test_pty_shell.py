@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import warnings
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -141,3 +143,55 @@ async def test_cancelled_run_leaves_a_usable_shell(shell: PtyShell) -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert (await shell.run("echo ok", 5)).output == "ok\n"
+
+
+async def test_output_flood_is_interrupted_promptly(tmp_path: Path) -> None:
+    sh = PtyShell(BASH, tmp_path, env={"PATH": "/usr/bin:/bin"}, max_output_bytes=1000, max_drained_bytes=1_000_000)
+    await sh.start()
+    try:
+        result = await sh.run("echo first; yes", 60)
+        assert result.exit_code is None and result.truncated and not result.timed_out and result.duration_s < 10
+        assert result.output.startswith("first\ny\ny\n")
+        assert "[output passed 1000000 bytes: interrupted" in result.output
+        assert (await sh.run("echo ok", 5)).output == "ok\n"
+    finally:
+        await sh.close()
+
+
+async def test_spawn_is_fork_safe_in_a_threaded_process(tmp_path: Path) -> None:
+    """Python >= 3.12 warns when a multi-threaded process forks and then runs Python in the child (pty.fork(),
+    which ptyprocess uses); the shell is spawned by fork/exec in C instead, so no warning even with threads."""
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait)
+    worker.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sh = PtyShell(BASH, tmp_path, env={"PATH": "/usr/bin:/bin"})
+            await sh.start()
+            try:
+                assert (await sh.run("echo ok", 5)).output == "ok\n"
+            finally:
+                await sh.close()
+        assert not [w for w in caught if "multi-threaded" in str(w.message)]
+    finally:
+        release.set()
+        worker.join()
+
+
+async def test_the_pty_is_the_controlling_terminal_of_a_session_of_its_own(shell: PtyShell) -> None:
+    result = await shell.run("readlink /proc/$$/fd/2; ps -o sid=,tty= -p $$; (: < /dev/tty) && echo has-ctty", 5)
+    device, session, ctty = result.output.splitlines()
+    assert device.startswith("/dev/pts/") and session.split() == [str(shell.pid), device.removeprefix("/dev/")]
+    assert ctty == "has-ctty"
+
+
+async def test_a_shell_killed_between_commands_is_replaced_at_once(shell: PtyShell) -> None:
+    await shell.run("export GONE=1", 5)
+    assert shell.pid is not None and shell.alive
+    psutil.Process(shell.pid).kill()
+    await wait_until(lambda: not shell.alive)
+    result = await shell.run("echo ok ${GONE:-unset}", 30)
+    assert result.output.startswith("ok unset\n") and "reset" in result.output and result.duration_s < 5
+    await shell.start()  # a no-op while the shell runs
+    assert (await shell.run("echo again", 5)).output == "again\n"

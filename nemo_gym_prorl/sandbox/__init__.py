@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from nemo_gym_prorl.sandbox.apptainer import ApptainerSandbox
 from nemo_gym_prorl.sandbox.base import (
     WORKSPACE,
     ExecResult,
@@ -22,6 +23,7 @@ __all__ = [
     "SandboxError",
     "SandboxLimits",
     "SandboxSpec",
+    "backends",
     "open_sandbox",
     "register_backend",
 ]
@@ -32,6 +34,14 @@ _BACKENDS: dict[str, Callable[[SandboxSpec], Sandbox]] = {"bwrap": BwrapSandbox}
 def register_backend(name: str, factory: Callable[[SandboxSpec], Sandbox]) -> None:
     """Make `factory` available to `open_sandbox` under `name` (other backends register themselves here)."""
     _BACKENDS[name] = factory
+
+
+register_backend("apptainer", ApptainerSandbox)
+
+
+def backends() -> list[str]:
+    """The names `open_sandbox` takes (besides ``gym:<provider>``), in registration order."""
+    return list(_BACKENDS)
 
 
 def open_sandbox(backend: str, spec: SandboxSpec) -> Sandbox:

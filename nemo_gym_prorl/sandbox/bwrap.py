@@ -1,70 +1,158 @@
-"""Sandbox backend on bubblewrap: the host's /usr and /etc read-only, a private temp workspace, no network.
+"""Sandbox backend on bubblewrap: a read-only root, a private workspace, no network, no privileges, bounded.
 
-Layout inside: `/usr`, `/etc` (read-only, host's), `/bin`, `/lib`, `/lib64` (symlinks into /usr), fresh `/proc`,
-`/dev`, `/tmp`; the workspace (a host temp dir) read-write at /workspace; the shell's control dir read-only at
-/.prorl. Every namespace is unshared (network shared only with `spec.network`); the user is uid 1000 with no
-capabilities. As root, bwrap is started as uid 65534 (`setpriv`), so files on the bind mounts are not root's
-either. The shell is the pid namespace's init (`--as-pid-1`): killing it kills everything inside, and bwrap reaps
-it, so nothing is left for the host's pid 1.
+Layout inside. `spec.image` None: the host's `/usr` and `/etc` read-only (`/bin`, `/sbin`, `/lib`, `/lib64` link into
+/usr), with everything under /etc that other host users may not read hidden, plus the usual credential files
+(ssh, pip/npm/apt credentials, sudoers, ...), and /etc/passwd, group, hosts and hostname replaced by the
+sandbox's own. A directory image: each top-level entry of that rootfs read-only. Either way a fresh `/proc`,
+`/dev`, a size-capped `/tmp` and `/dev/shm`, the workspace read-write at /workspace, the shell's control dir
+read-only at /.prorl, and `spec.binds`. Nothing else of the host is there: no /home, /root, /run, /sys, /var, no
+checkout.
+
+Privileges. As root, bwrap runs as uid 65534 (`setpriv`), inside a user namespace of its own (`unshare --user`),
+and maps the sandbox's user, uid 1000, onto it: no capabilities, not root, no setuid, and the seccomp filter of
+`seccomp.py` (which also refuses new namespaces: bwrap's `--disable-userns` would cost another 8 ms per start).
+Every namespace is unshared; the network only with `spec.network` (otherwise just a loopback of its own).
+
+Limits (`limits.py`). rlimits for address space, CPU time, file size and processes — the outer user namespace
+makes RLIMIT_NPROC count this sandbox alone — and, where cgroup v1 is writable (root here), a `pids` and a
+`memory` cgroup per sandbox, made at start and removed at close. Output is capped per command by the shell.
+
+Teardown. The shell is the pid namespace's init (`--as-pid-1`): killing it kills everything inside; `close()`
+then kills whatever is left in the cgroup and removes it, and removes the sandbox's one temp dir (`prorl-sbx-*`).
+
+`exec()` runs a program in the same sandbox beside the shell: a helper (`limits.py`, run as a script) joins the
+cgroups, then the user, pid, mount, network, IPC, UTS and cgroup namespaces of the sandbox's init, applies the
+same rlimits, drops the capability bounding set, loads the same seccomp filter and executes the program. So it
+sees exactly the shell's files (its /tmp included), processes and loopback. (A second bwrap joining with
+`--userns`/`--pidns` would build a new mount namespace — a different /tmp, and a second mount of a fork's overlay
+on the same upper dir, which overlayfs does not allow — and it cannot join a network namespace.)
+
+`fork(n)`: copy the workspace once into a snapshot (`cp --reflink=auto`: copy-on-write where the filesystem can,
+a plain copy on ext4), then start n sandboxes whose /workspace is an overlayfs with that snapshot as its lower
+layer and an upper dir of their own, mounted inside their outer user namespace (bubblewrap 0.8 has no
+`--overlay`; rootless overlayfs needs Linux >= 5.11). A fork's writes land in its own upper dir, so neither the
+parent nor its siblings see them, and the snapshot, not the parent's workspace, is what forks read: the parent may
+go on or close. The snapshot is removed with the last fork that uses it. A fork's files are only visible inside
+its own mount namespace, so its `read_file`/`write_file` go through the same helper as `exec()`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import os
 import shutil
+import signal
 import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Self
+from typing import Any, Self
 
-from nemo_gym_prorl.sandbox.base import WORKSPACE, ExecResult, SandboxError, SandboxSpec
-from nemo_gym_prorl.sandbox.pty_shell import PtyShell
+from nemo_gym_prorl.sandbox.base import (
+    WORKSPACE,
+    ExecResult,
+    PathOutsideWorkspaceError,
+    SandboxError,
+    SandboxSpec,
+)
+from nemo_gym_prorl.sandbox.limits import (
+    CGROUP_PREFIX,
+    OutputCap,
+    SandboxCgroup,
+    join_argv,
+    prlimit_argv,
+    rlimits,
+)
+from nemo_gym_prorl.sandbox.pty_shell import DEFAULT_MAX_DRAINED_BYTES, PtyShell, _poll_until
+from nemo_gym_prorl.sandbox.seccomp import bpf_program
 
 CONTROL_DIR = "/.prorl"
+TEMP_PREFIX = CGROUP_PREFIX  # host temp dirs and cgroups share the name "prorl-sbx-*"
 _NOBODY = 65534
 _INNER_UID = 1000
-_PATH = "/usr/local/bin:/usr/bin:/bin"
+_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
+_SHELL = ["/bin/bash", "--norc", "--noprofile", "--noediting", "-i"]
+_ETC_HIDDEN = (
+    "shadow", "shadow-", "gshadow", "gshadow-", "ssh", "ssl/private", "sudoers", "sudoers.d", "security/opasswd",
+    "machine-id", "subuid", "subgid", "apt/auth.conf", "apt/auth.conf.d", "pip.conf", "xdg/pip", "npmrc",
+    "gitconfig", "wgetrc", "docker", "containerd", "kubernetes", "wireguard", "NetworkManager/system-connections",
+    "credstore", "credstore.encrypted",
+)  # fmt: skip
+_ETC_OWN = {
+    "passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:1000:1000:sandbox:/workspace:/bin/bash\n"
+    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+    "group": "root:x:0:\nsandbox:x:1000:\nnogroup:x:65534:\n",
+    "hosts": "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+    "hostname": "sandbox\n",
+}
+# $1: seccomp program; then cgroup.procs files up to "--"; then the command. Runs as the caller (root: may join).
+_ENTER = 'bpf=$1; shift; while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@" 3< "$bpf"'
+_MOUNT_OVERLAY = 'mount -t overlay prorl-overlay -o "$1" "$2" || exit 125; shift 2; exec "$@"'
+_KILL_WAIT_S = 5.0
+_FILE_IO_TIMEOUT_S = 60.0
 
 
 class BwrapSandbox:
     """One bubblewrap sandbox holding a persistent shell; see the module docstring for what it isolates."""
 
-    def __init__(self, spec: SandboxSpec | None = None, *, bwrap: str = "bwrap") -> None:
+    def __init__(
+        self, spec: SandboxSpec | None = None, *, bwrap: str = "bwrap", _snapshot: _Snapshot | None = None
+    ) -> None:
         self.spec = spec or SandboxSpec()
         self._bwrap = bwrap
         self._as_root = os.geteuid() == 0
-        self._workspace: Path | None = None
-        self._control: Path | None = None
+        self._snapshot = _snapshot
+        self._root: Path | None = None
+        self._cgroup: SandboxCgroup | None = None
         self._shell: PtyShell | None = None
         self._wall_timer: asyncio.TimerHandle | None = None
         self._close_task: asyncio.Task[None] | None = None
         self._expired = False
+        self._started = False
+
+    @property
+    def temp_dir(self) -> Path | None:
+        """The sandbox's one host temp dir (workspace, control dir, overlay layers); None before start."""
+        return self._root
 
     @property
     def workspace(self) -> Path | None:
-        """Host directory mounted at /workspace (None before start)."""
-        return self._workspace
+        """Host directory mounted at /workspace. None before start, and for a fork, whose workspace is an overlay
+        that only its own mount namespace sees."""
+        return self._root / "workspace" if self._root is not None and self._snapshot is None else None
 
     @property
     def pid(self) -> int | None:
         """Host pid of the outer bwrap process, None while no shell runs."""
         return self._shell.pid if self._shell is not None else None
 
+    @property
+    def cgroup(self) -> SandboxCgroup | None:
+        """The sandbox's cgroups, None where cgroup v1 is not writable (only rlimits bound it then)."""
+        return self._cgroup
+
     async def start(self) -> None:
-        if self._shell is not None or self._close_task is not None:
+        if self._started:
             raise SandboxError("sandbox already started")
-        self._workspace = Path(tempfile.mkdtemp(prefix="prorl-sbx-"))
-        self._control = Path(tempfile.mkdtemp(prefix="prorl-sbx-ctl-"))
+        self._started = True
+        if self._snapshot is not None:
+            self._snapshot.acquire()
+        limits = self.spec.limits
         try:
-            self._control.chmod(0o755)
-            if self._as_root:
-                os.chown(self._workspace, _NOBODY, _NOBODY)
-            limits = self.spec.limits
+            _sweep_once()
+            self._root = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
+            _write_owner(self._root, [])
+            self._prepare_host_dirs()
+            self._cgroup = SandboxCgroup.create(self._root.name, limits)
+            if self._cgroup is not None:
+                _write_owner(self._root, list(self._cgroup.dirs.values()))
             self._shell = PtyShell(
                 self._argv(),
-                self._control,
+                self._root / "control",
                 CONTROL_DIR,
                 env={"PATH": _PATH},
                 max_output_bytes=limits.max_output_bytes,
@@ -76,20 +164,61 @@ class BwrapSandbox:
         self._wall_timer = asyncio.get_running_loop().call_later(limits.wall_clock_s, self._expire)
 
     async def run(self, command: str, timeout: float) -> ExecResult:
-        if self._shell is None:
-            raise SandboxError("sandbox is not started")
-        if self._close_task is not None:
-            raise SandboxError(self._closed_reason())
-        result = await self._shell.run(command, timeout)
+        shell = self._running_shell()
+        result = await shell.run(command, timeout)
         if self._expired:
             result.output += f"[{self._closed_reason()}]\n"
         return result
 
+    async def exec(self, argv: list[str], timeout: float) -> ExecResult:
+        """Run `argv` in this sandbox beside the shell (see the module docstring); the shell's state is untouched.
+        A timeout kills the program's process group."""
+        if not argv:
+            raise ValueError("exec needs a program to run")
+        result, _ = await self._join("exec", {"argv": list(argv)}, timeout=timeout)
+        return result
+
     async def write_file(self, path: str, data: bytes) -> None:
-        await asyncio.to_thread(self._write, self._relative(path), data)
+        rel = self._relative(path)
+        if self._snapshot is None:
+            await asyncio.to_thread(self._write, rel, data)
+        else:
+            await self._join_file_io("write", rel, data)
 
     async def read_file(self, path: str) -> bytes:
-        return await asyncio.to_thread(self._read, self._relative(path))
+        rel = self._relative(path)
+        if self._snapshot is None:
+            return await asyncio.to_thread(self._read, rel)
+        return await self._join_file_io("read", rel, b"")
+
+    async def fork(self, n: int) -> list[BwrapSandbox]:
+        """n started sandboxes, each with a copy-on-write copy of this one's workspace as it is now (and this
+        one's spec). Closing this sandbox does not affect them. Start them all or none."""
+        if n < 1:
+            raise ValueError("fork needs n >= 1")
+        self._running_shell()
+        snapshot_root = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX + "snap-"))
+        try:
+            snapshot = _Snapshot(snapshot_root)
+        except BaseException:
+            shutil.rmtree(snapshot_root)
+            raise
+        snapshot.acquire()  # held by this call until the forks hold it
+        try:
+            await self._copy_workspace_to(snapshot.path)
+            forks = [BwrapSandbox(self.spec, bwrap=self._bwrap, _snapshot=snapshot) for _ in range(n)]
+            try:
+                results = await asyncio.gather(*(f.start() for f in forks), return_exceptions=True)
+                failures = [r for r in results if isinstance(r, BaseException)]
+                if failures:
+                    raise failures[0]
+            except BaseException:
+                await asyncio.gather(*(f.close() for f in forks), return_exceptions=True)
+                raise
+            return forks
+        finally:
+            if snapshot.release():
+                await asyncio.to_thread(snapshot.remove)
 
     async def close(self) -> None:
         """Kill the sandbox and remove its dirs. Idempotent; finishes even if the caller is cancelled meanwhile."""
@@ -104,25 +233,178 @@ class BwrapSandbox:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # -- internals ---------------------------------------------------------------------------------------------
+    # -- start -------------------------------------------------------------------------------------------------
+
+    def _prepare_host_dirs(self) -> None:
+        """Lay out the temp dir: workspace (or overlay layers), control dir, seccomp program, files for /etc."""
+        assert self._root is not None
+        root = self._root
+        root.chmod(0o711)  # bwrap runs as uid 65534 and must reach what it binds
+        for name in ("upper", "work", "merged") if self._snapshot is not None else ("workspace",):
+            (root / name).mkdir(mode=0o755)
+            if self._as_root:
+                os.chown(root / name, _NOBODY, _NOBODY)
+        (root / "control").mkdir(mode=0o755)
+        (root / "seccomp.bpf").write_bytes(bpf_program())
+        if self.spec.image is None:
+            (root / "empty").write_bytes(b"")
+            (root / "empty").chmod(0o444)
+            (root / "emptydir").mkdir(mode=0o555)
+            for name, text in _ETC_OWN.items():
+                (root / f"etc-{name}").write_text(text)
+                (root / f"etc-{name}").chmod(0o444)
 
     def _argv(self) -> list[str]:
-        assert self._workspace is not None and self._control is not None
-        limits = self.spec.limits
-        argv = ["setpriv", f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups", "--"] if self._as_root else []
-        argv += ["prlimit", f"--as={limits.memory_mb * 1024 * 1024}", "--core=0", "--", self._bwrap]
-        argv += ["--unshare-all", "--unshare-user", "--uid", str(_INNER_UID), "--gid", str(_INNER_UID)]
+        assert self._root is not None
+        root, limits = self._root, self.spec.limits
+        procs = self._cgroup.procs_files if self._cgroup is not None else []
+        argv = ["sh", "-c", _ENTER, "prorl-sbx", str(root / "seccomp.bpf"), *procs, "--"]
+        argv += ["setpriv", f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups", "--"] if self._as_root else []
+        argv += ["unshare", "--user", "--map-root-user", *(["--mount"] if self._snapshot is not None else []), "--"]
+        if self._snapshot is not None:
+            layers = {"lowerdir": self._snapshot.path, "upperdir": root / "upper", "workdir": root / "work"}
+            for path in layers.values():
+                if any(c in str(path) for c in ",:\\"):
+                    raise SandboxError(f"cannot use {path} as an overlay layer (',', ':' or '\\' in the path)")
+            # userxattr: overlayfs keeps its whiteouts and opaque dirs in user.* xattrs, which a user namespace
+            # may write (trusted.* it may not: without this, removing or renaming a lower directory fails).
+            options = ",".join([*(f"{key}={path}" for key, path in layers.items()), "userxattr"])
+            argv += ["sh", "-c", _MOUNT_OVERLAY, "prorl-sbx", options, str(root / "merged")]
+        argv += prlimit_argv(rlimits(limits))
+        argv += [self._bwrap, "--unshare-all", "--unshare-user", "--cap-drop", "ALL"]
+        argv += ["--uid", str(_INNER_UID), "--gid", str(_INNER_UID), "--hostname", "sandbox"]
         argv += ["--share-net"] if self.spec.network else []
-        argv += ["--die-with-parent", "--as-pid-1"]
-        argv += ["--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib"]
-        argv += ["--symlink", "usr/lib64", "/lib64", "--ro-bind", "/etc", "/etc"]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-        argv += ["--bind", str(self._workspace), WORKSPACE, "--ro-bind", str(self._control), CONTROL_DIR]
-        argv += ["--chdir", WORKSPACE, "--clearenv"]
-        env = {"PATH": _PATH, "HOME": WORKSPACE, "LANG": "C.UTF-8", "TERM": "dumb", **self.spec.env}
-        for key, value in env.items():
+        argv += ["--die-with-parent", "--as-pid-1", "--seccomp", "3"]
+        argv += self._root_fs_args()
+        size = str(limits.memory_mb * 2**20)
+        argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp"]
+        argv += ["--size", size, "--tmpfs", "/dev/shm"]
+        workspace = root / ("merged" if self._snapshot is not None else "workspace")
+        argv += ["--bind", str(workspace), WORKSPACE, "--ro-bind", str(root / "control"), CONTROL_DIR]
+        for bind in self.spec.binds:
+            if not os.path.exists(bind.source):
+                raise SandboxError(f"bind source {bind.source!r} does not exist")
+            self._check_reachable(bind.source)
+            if not PurePosixPath(bind.target).is_absolute():
+                raise SandboxError(f"bind target {bind.target!r} is not an absolute path")
+            argv += ["--bind" if bind.writable else "--ro-bind", bind.source, bind.target]
+        argv += ["--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]  # "/" itself is bwrap's tmpfs
+        for key, value in self._env().items():
             argv += ["--setenv", key, value]
-        return [*argv, "--", "/usr/bin/bash", "--norc", "--noprofile", "--noediting", "-i"]
+        return [*argv, "--", *_SHELL]
+
+    def _root_fs_args(self) -> list[str]:
+        assert self._root is not None
+        image = self.spec.image
+        if image is None:
+            args = ["--ro-bind", "/usr", "/usr"]
+            for link in ("bin", "sbin", "lib", "lib64"):
+                args += ["--symlink", f"usr/{link}", f"/{link}"]
+            args += ["--ro-bind", "/etc", "/etc"]
+            for path in _hidden_etc_paths():
+                args += ["--ro-bind", str(self._root / ("emptydir" if os.path.isdir(path) else "empty")), path]
+            for name in _ETC_OWN:
+                args += ["--ro-bind", str(self._root / f"etc-{name}"), f"/etc/{name}"]
+            return args
+        if not os.path.isdir(image):
+            raise SandboxError(f"bwrap backend needs a rootfs directory as image, not {image!r}")
+        self._check_reachable(image)
+        if not os.path.exists(os.path.join(image, "bin/bash")) and not os.path.exists(
+            os.path.join(image, "usr/bin/bash")
+        ):
+            raise SandboxError(f"image {image!r} has no bash (/bin/bash), which the sandbox's shell needs")
+        args = []
+        for entry in sorted(os.scandir(image), key=lambda e: e.name):
+            if entry.name in ("proc", "dev", "tmp", "sys", "workspace", CONTROL_DIR.lstrip("/")):
+                continue
+            if entry.is_symlink():
+                args += ["--symlink", os.readlink(entry.path), f"/{entry.name}"]
+            else:
+                args += ["--ro-bind", entry.path, f"/{entry.name}"]
+        return args
+
+    def _check_reachable(self, path: str) -> None:
+        """As root, bwrap runs as uid 65534 and can bind only what other users may reach: say so before it fails."""
+        if not self._as_root:
+            return
+        current = os.path.abspath(path)
+        while True:
+            mode = os.stat(current).st_mode
+            if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+                raise SandboxError(
+                    f"{path!r} is out of reach of the sandbox's host uid {_NOBODY}: {current} is mode "
+                    f"{stat.S_IMODE(mode):o}; keep images and bind sources where other users can read them"
+                )
+            if current == "/":
+                return
+            current = os.path.dirname(current)
+
+    def _env(self) -> dict[str, str]:
+        return {"PATH": _PATH, "HOME": WORKSPACE, "LANG": "C.UTF-8", "TERM": "dumb", **self.spec.env}
+
+    # -- exec and file I/O through the join helper -------------------------------------------------------------
+
+    async def _join(
+        self, op: str, extra: dict[str, Any], *, timeout: float, data: bytes = b""
+    ) -> tuple[ExecResult, bytes]:
+        """Run the join helper for `op` ("exec", "read", "write"); output capped, timeout kills the program."""
+        shell = self._running_shell()
+        if not shell.alive:
+            await shell.start()  # the shell exited since the last command: its namespaces are what we join
+        assert self._root is not None
+        init = _init_pid(shell.pid)
+        request = {
+            "op": op,
+            "pid": init,
+            "host_uid": _NOBODY if self._as_root else None,
+            "cgroup_procs": self._cgroup.procs_files if self._cgroup is not None else [],
+            "seccomp": str(self._root / "seccomp.bpf"),
+            "rlimits": rlimits(self.spec.limits),
+            "cwd": WORKSPACE,
+            "env": self._env(),
+            **extra,
+        }
+        limit = self.spec.limits.max_output_bytes if op == "exec" else None
+        return await _run_helper(join_argv(sys.executable, request), data, timeout, limit)
+
+    async def _join_file_io(self, op: str, rel: PurePosixPath, data: bytes) -> bytes:
+        result, raw = await self._join(op, {"path": f"{WORKSPACE}/{rel}"}, timeout=_FILE_IO_TIMEOUT_S, data=data)
+        if result.exit_code == 0:
+            return raw
+        code, _, message = raw.decode(errors="replace").partition(":")
+        if code == "outside":
+            raise PathOutsideWorkspaceError(f"path {str(rel)!r} resolves outside {WORKSPACE} (via a symlink)")
+        if code.isdigit():
+            raise OSError(int(code), message.strip(), f"{WORKSPACE}/{rel}")
+        raise SandboxError(f"{op} of {WORKSPACE}/{rel} failed: {result.output.strip()} (exit {result.exit_code})")
+
+    # -- fork --------------------------------------------------------------------------------------------------
+
+    async def _copy_workspace_to(self, target: Path) -> None:
+        """Copy this sandbox's workspace as its processes see it (a fork's is its overlay) into `target`."""
+        if self._snapshot is None:
+            source = str(self.workspace)
+        else:
+            shell = self._running_shell()
+            if not shell.alive:
+                await shell.start()
+            source = f"/proc/{_init_pid(shell.pid)}/root{WORKSPACE}"
+        argv = ["cp", "-a", "--reflink=auto", f"{source}/.", f"{target}/"]
+        returncode, stderr = await _run_to_completion(argv)
+        if returncode != 0:
+            raise SandboxError(f"could not snapshot the workspace: {stderr.strip()}")
+        if self._as_root:
+            os.chown(target, _NOBODY, _NOBODY)
+        target.chmod(0o755)
+
+    # -- close -------------------------------------------------------------------------------------------------
+
+    def _running_shell(self) -> PtyShell:
+        if self._close_task is not None:
+            raise SandboxError(self._closed_reason())
+        if self._shell is None:
+            raise SandboxError("sandbox is not started")
+        return self._shell
 
     def _expire(self) -> None:
         self._expired = True
@@ -141,32 +423,60 @@ class BwrapSandbox:
             if self._shell is not None:
                 await self._shell.close()
         finally:
-            for path in (self._workspace, self._control):
-                if path is not None and path.exists():
-                    shutil.rmtree(path, onexc=_make_writable_and_retry)
+            try:
+                if self._cgroup is not None:
+                    await self._remove_cgroup(self._cgroup)
+            finally:
+                if self._root is not None and self._root.exists():
+                    await asyncio.to_thread(shutil.rmtree, self._root, onexc=_make_writable_and_retry)
+                if self._snapshot is not None and self._started and self._snapshot.release():
+                    await asyncio.to_thread(self._snapshot.remove)
+
+    @staticmethod
+    async def _remove_cgroup(cgroup: SandboxCgroup) -> None:
+        """Kill what is left in the cgroup (processes that left the shell's session) and remove it."""
+
+        def gone() -> bool:
+            cgroup.kill()
+            return cgroup.remove_now()
+
+        if not await _poll_until(gone, _KILL_WAIT_S):
+            raise SandboxError(f"cgroup {cgroup.dirs} still has processes {sorted(cgroup.pids())} after SIGKILL")
+
+    # -- host-side file I/O (plain workspace) ------------------------------------------------------------------
 
     def _relative(self, path: str) -> PurePosixPath:
-        """`path` as a workspace-relative path, rejecting anything that leaves the workspace (`..`, symlinks)."""
-        if self._workspace is None or self._close_task is not None:
+        """`path` as a workspace-relative path, rejecting anything that leaves the workspace (`..`, symlinks).
+        Symlinks are resolved here for a plain workspace and by the helper, inside the sandbox, for a fork."""
+        if self._root is None or self._close_task is not None:
             raise SandboxError("sandbox is not running")
         pure = PurePosixPath(path)
         if pure.is_absolute():
             if not pure.is_relative_to(WORKSPACE):
-                raise ValueError(f"path {path!r} is outside {WORKSPACE}")
+                raise PathOutsideWorkspaceError(f"path {path!r} is outside {WORKSPACE}")
             pure = pure.relative_to(WORKSPACE)
-        root = os.path.realpath(self._workspace)
+        if self._snapshot is not None:
+            joined = PurePosixPath(os.path.normpath(f"{WORKSPACE}/{pure}"))
+            if joined == PurePosixPath(WORKSPACE):
+                raise PathOutsideWorkspaceError(f"path {path!r} names the workspace itself, not a file in it")
+            if not joined.is_relative_to(WORKSPACE):
+                raise PathOutsideWorkspaceError(f"path {path!r} resolves outside {WORKSPACE} (via '..')")
+            return joined.relative_to(WORKSPACE)
+        workspace = self.workspace
+        assert workspace is not None
+        root = os.path.realpath(workspace)
         resolved = os.path.realpath(os.path.join(root, pure))
         if resolved == root:
-            raise ValueError(f"path {path!r} names the workspace itself, not a file in it")
+            raise PathOutsideWorkspaceError(f"path {path!r} names the workspace itself, not a file in it")
         if not resolved.startswith(root + os.sep):
-            raise ValueError(f"path {path!r} resolves outside {WORKSPACE} (via '..' or a symlink)")
+            raise PathOutsideWorkspaceError(f"path {path!r} resolves outside {WORKSPACE} (via '..' or a symlink)")
         return PurePosixPath(os.path.relpath(resolved, root))
 
     def _open_dir(self, parts: tuple[str, ...], create: bool) -> int:
         """Open the workspace subdirectory `parts` without following symlinks, so a link swapped in by the
         sandbox after `_relative` checked the path cannot redirect host-side I/O outside the workspace."""
-        assert self._workspace is not None
-        fd = os.open(self._workspace, os.O_RDONLY | os.O_DIRECTORY)
+        assert self.workspace is not None
+        fd = os.open(self.workspace, os.O_RDONLY | os.O_DIRECTORY)
         try:
             for part in parts:
                 if create:
@@ -203,6 +513,233 @@ class BwrapSandbox:
             os.close(dir_fd)
         with open(fd, "rb") as f:
             return f.read()
+
+
+class _Snapshot:
+    """A frozen copy of a workspace (`tree`, in a temp dir of its own) that forks use as their overlay's lower
+    layer; removed with its last user."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.root.chmod(0o711)
+        _write_owner(root, [])
+        self.path = root / "tree"
+        self.path.mkdir()
+        self._users = 0
+
+    def acquire(self) -> None:
+        self._users += 1
+
+    def release(self) -> bool:
+        """Drop one user; True when that was the last, and the caller must `remove()` the snapshot."""
+        self._users -= 1
+        return self._users == 0
+
+    def remove(self) -> None:
+        if self.root.exists():
+            shutil.rmtree(self.root, onexc=_make_writable_and_retry)
+
+
+_OWNER_FILE = ".owner"
+
+
+def _write_owner(root: Path, cgroup_dirs: list[str]) -> None:
+    """Record who made `root` (pid and start time) and its cgroups, for `sweep_orphans`."""
+    pid = os.getpid()
+    lines = [f"{pid} {_start_time(pid)}", *cgroup_dirs]
+    (root / (_OWNER_FILE + ".new")).write_text("\n".join(lines) + "\n")
+    (root / (_OWNER_FILE + ".new")).rename(root / _OWNER_FILE)
+
+
+def _start_time(pid: int | str) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[19].decode()  # field 22: start time in clock ticks
+
+
+def sweep_orphans(temp_root: str | None = None) -> list[str]:
+    """Remove the temp dirs and cgroups of sandboxes whose owning process died without closing them (SIGKILL,
+    power loss of the service, not of the host): their processes died with it (`--die-with-parent`), this removes
+    the rest. Returns the temp dirs removed. Safe beside live services: only dead owners' leftovers are touched."""
+    removed = []
+    for entry in os.scandir(temp_root or tempfile.gettempdir()):
+        if not entry.name.startswith(TEMP_PREFIX):
+            continue
+        try:
+            owner, *cgroup_dirs = Path(entry.path, _OWNER_FILE).read_text().splitlines()
+            pid, start = owner.split()
+        except (OSError, ValueError):
+            continue  # not a sandbox dir, or one being made right now
+        try:
+            if _start_time(pid) == start:
+                continue  # the owner lives
+        except OSError:
+            pass
+        cgroup = SandboxCgroup({path: path for path in cgroup_dirs if os.path.isdir(path)})
+        cgroup.kill()
+        cgroup.remove_now()
+        with contextlib.suppress(FileNotFoundError):  # another process may be sweeping it too
+            shutil.rmtree(entry.path, onexc=_make_writable_and_retry)
+        removed.append(entry.path)
+    return removed
+
+
+@functools.cache
+def _sweep_once() -> None:
+    """The first sandbox a process starts sweeps what dead processes left behind."""
+    with contextlib.suppress(OSError):
+        sweep_orphans()
+
+
+def _init_pid(bwrap_pid: int | None) -> int:
+    """Host pid of the sandbox's init: the one child of the outer bwrap process."""
+    try:
+        with open(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children") as f:
+            children = f.read().split()
+    except (FileNotFoundError, ProcessLookupError):
+        children = []
+    if len(children) != 1:
+        raise SandboxError(f"cannot find the sandbox's init process (bwrap pid {bwrap_pid}, children {children})")
+    return int(children[0])
+
+
+async def _run_helper(argv: list[str], data: bytes, timeout: float, limit: int | None) -> tuple[ExecResult, bytes]:
+    """Run the join helper: stdin `data`; stdout (the program's output) capped at `limit` (None: kept whole and
+    returned as bytes too); stderr the helper's own complaint. Timeout or a flood of output: SIGTERM (the helper
+    kills the program's group), then SIGKILL. Cancellation does the same before it propagates."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out_w, stderr=err_w, close_fds=True)
+    except BaseException:
+        for fd in (out_r, err_r):
+            os.close(fd)
+        raise
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    kept = OutputCap(limit) if limit is not None else None
+    whole = bytearray()
+    flooded = loop.create_future()
+    exited = loop.create_future()
+    pidfd = os.pidfd_open(proc.pid)
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(out_r, 65536)
+            except BlockingIOError:
+                return
+            if not chunk:
+                loop.remove_reader(out_r)
+                return
+            if kept is None:
+                whole.extend(chunk)
+            else:
+                kept.add(chunk)
+                if kept.seen > max(DEFAULT_MAX_DRAINED_BYTES, limit or 0) and not flooded.done():
+                    flooded.set_result(None)
+
+    def on_exit() -> None:
+        loop.remove_reader(pidfd)
+        exited.set_result(None)
+
+    os.set_blocking(out_r, False)
+    loop.add_reader(out_r, drain)
+    loop.add_reader(pidfd, on_exit)
+    assert proc.stdin is not None
+    feeder = asyncio.ensure_future(asyncio.to_thread(_feed, proc.stdin, data))  # ends when the helper does
+    timed_out = False
+    note = ""
+    try:
+        await asyncio.wait([exited, flooded], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not exited.done():
+            timed_out = not flooded.done()
+            note = f"[timed out after {timeout:g}s: killed]" if timed_out else "[output too long: killed]"
+            await _stop(proc, exited)
+        # What the program wrote before it ended is in the pipe now; its children may hold the pipe open, so
+        # stop here instead of waiting for EOF.
+        drain()
+    finally:
+        if proc.poll() is None:
+            await _stop(proc, exited)
+        await asyncio.gather(feeder, return_exceptions=True)
+        loop.remove_reader(out_r)
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        os.close(out_r)
+        with os.fdopen(err_r, "rb") as err:
+            os.set_blocking(err.fileno(), False)
+            complaint = (err.read() or b"").decode(errors="replace").strip()
+    if complaint:
+        raise SandboxError(complaint)
+    if kept is None:
+        output, truncated = "", False
+    else:
+        output, truncated = kept.text(), kept.dropped > 0
+    if note:
+        output += ("" if not output or output.endswith("\n") else "\n") + note + "\n"
+    result = ExecResult(
+        output=output,
+        exit_code=None if note else proc.returncode,
+        timed_out=timed_out,
+        truncated=truncated,
+        duration_s=loop.time() - started,
+    )
+    return result, bytes(whole)
+
+
+async def _run_to_completion(argv: list[str]) -> tuple[int, str]:
+    """Run a host command to its end; cancelled, it is killed and reaped before the cancellation goes on (so
+    nothing writes into a directory the caller is about to remove)."""
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _, stderr = await asyncio.to_thread(proc.communicate)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc.returncode, stderr.decode(errors="replace")
+
+
+def _feed(stdin: Any, data: bytes) -> None:
+    with contextlib.suppress(BrokenPipeError):
+        stdin.write(data)
+    with contextlib.suppress(BrokenPipeError):
+        stdin.close()
+
+
+async def _stop(proc: subprocess.Popen[bytes], exited: asyncio.Future[None]) -> None:
+    """SIGTERM the helper (it SIGKILLs the program's process group and exits), SIGKILL it if it lingers; reap."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(asyncio.shield(exited), _KILL_WAIT_S)
+    except TimeoutError:
+        proc.kill()
+    await asyncio.to_thread(proc.wait)
+
+
+@functools.cache
+def _hidden_etc_paths() -> tuple[str, ...]:
+    """Paths under the host's /etc to hide: the known credential files, and whatever other users may not read."""
+    hidden = [f"/etc/{name}" for name in _ETC_HIDDEN if os.path.lexists(f"/etc/{name}")]
+    for dirpath, dirnames, filenames in os.walk("/etc"):
+        if any(dirpath == h or dirpath.startswith(h + "/") for h in hidden):
+            dirnames[:] = []
+            continue
+        for name in [*dirnames, *filenames]:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode) or st.st_mode & stat.S_IROTH or path in hidden:
+                continue
+            hidden.append(path)
+        dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in hidden]
+    return tuple(sorted(set(hidden)))
 
 
 def _make_writable_and_retry(func: Callable[[str], object], path: str, _exc: BaseException) -> None:

@@ -6,24 +6,35 @@ command span lines (heredocs included); `< /dev/null` keeps it from eating the l
 random per shell and numbered per request, and is printed from two `%s` parts, so neither an echoed command line
 nor the output of an earlier request can be mistaken for it.
 
-The shell runs with `--noediting` (no readline) in canonical tty mode with echo and `onlcr` off, so its output is
-exactly what the command printed. A timed-out command is interrupted through the terminal (Ctrl-C, then Ctrl-\\)
-and, if the shell still does not answer, the shell is restarted.
+The shell runs with `--noediting` (no readline) in canonical tty mode with echo and `onlcr` off (set on the pty
+before the shell starts, so no `stty` is needed inside), so its output is exactly what the command printed. A
+timed-out command is interrupted through the terminal (Ctrl-C, then Ctrl-\\) and, if the shell still does not
+answer, the shell is restarted. So is a command whose output passes `max_drained_bytes`: draining a pty is slow
+(~50 MB/s), and what is kept is capped anyway.
+
+Spawning is fork-safe in a threaded process: the pty comes from `os.openpty()`, the child from `subprocess.Popen`
+(fork/exec in C, no Python between them), and util-linux `setsid --ctty` makes the child a session leader with
+the pty as its controlling terminal, so Ctrl-C reaches the foreground job. (`pty.fork()`, which `ptyprocess`
+uses, runs Python in the forked child, which can deadlock when other threads held locks at the fork.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import secrets
+import shutil
 import signal
+import struct
+import subprocess
+import termios
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from ptyprocess import PtyProcess
-
 from nemo_gym_prorl.sandbox.base import ExecResult, SandboxError
+from nemo_gym_prorl.sandbox.limits import OutputCap
 
 _SETUP = (
     "stty -echo -onlcr 2>/dev/null; PS1=''; PS2=''; PS0=''; PROMPT_COMMAND=''; unset HISTFILE; set +o history +m; "
@@ -38,23 +49,28 @@ _CTRL_C = b"\x03"
 _CTRL_BACKSLASH = b"\x1c"
 _POLL_S = 0.005
 _KILL_WAIT_S = 2.0
+DEFAULT_MAX_DRAINED_BYTES = 16 * 2**20
 
 
 class _Capture:
     """Collects one request's output until its marker line, keeping at most `limit` bytes (head and tail).
 
-    `done` resolves to the exit status printed with the marker, or to None if the shell went away first.
+    `done` resolves to the exit status printed with the marker, or to None if the shell went away first;
+    `flooded` resolves once more than `drain_limit` bytes came without the marker.
     """
 
-    def __init__(self, marker: bytes, limit: int) -> None:
+    def __init__(self, marker: bytes, limit: int, drain_limit: int | None = None) -> None:
         self._needle = b"\n" + marker + b":"
-        self._head_max = limit // 2
-        self._tail_max = limit - self._head_max
         self._pending = bytearray()
-        self._head = bytearray()
-        self._tail = bytearray()
-        self.dropped = 0
-        self.done: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        self._kept = OutputCap(limit)
+        self._drain_limit = drain_limit
+        loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[int | None] = loop.create_future()
+        self.flooded: asyncio.Future[None] = loop.create_future()
+
+    @property
+    def dropped(self) -> int:
+        return self._kept.dropped
 
     def feed(self, data: bytes) -> None:
         if self.done.done():
@@ -71,7 +87,7 @@ class _Capture:
         end = self._pending.find(b"\n", start + len(self._needle))
         if end < 0:
             return
-        status = self._pending[start + len(self._needle) : end]
+        status = self._pending[start + len(self._needle) : end].rstrip(b"\r")
         self._keep(self._pending[:start])
         self._pending.clear()
         self.done.set_result(int(status) if status.isdigit() else None)
@@ -84,21 +100,12 @@ class _Capture:
             self.done.set_result(None)
 
     def text(self) -> str:
-        note = f"\n[... {self.dropped} bytes truncated ...]\n".encode() if self.dropped else b""
-        raw = bytes(self._head) + note + bytes(self._tail)
-        return raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
+        return self._kept.text()
 
     def _keep(self, data: bytes | bytearray) -> None:
-        room = self._head_max - len(self._head)
-        if room > 0:
-            self._head += data[:room]
-            data = data[room:]
-        if data:
-            self._tail += data
-            excess = len(self._tail) - self._tail_max
-            if excess > 0:
-                del self._tail[:excess]
-                self.dropped += excess
+        self._kept.add(data)
+        if self._drain_limit is not None and self._kept.seen > self._drain_limit and not self.flooded.done():
+            self.flooded.set_result(None)
 
 
 class PtyShell:
@@ -117,6 +124,7 @@ class PtyShell:
         *,
         env: Mapping[str, str] | None = None,
         max_output_bytes: int = 64_000,
+        max_drained_bytes: int = DEFAULT_MAX_DRAINED_BYTES,
         grace_s: float = 1.0,
         start_timeout_s: float = 10.0,
         dimensions: tuple[int, int] = (24, 200),
@@ -126,18 +134,20 @@ class PtyShell:
         self._control_inside = control_dir_inside or str(self._control_dir)
         self._env = dict(env) if env is not None else None
         self._max_output = max_output_bytes
+        self._max_drained = max(max_drained_bytes, max_output_bytes)
         self._grace_s = grace_s
         self._start_timeout_s = start_timeout_s
         self._dimensions = dimensions
         self._token = secrets.token_hex(8)
         self._seq = 0
         self._lock = asyncio.Lock()
-        self._proc: PtyProcess | None = None
+        self._proc: _PtyChild | None = None
         self._pidfd: int | None = None
         self._capture: _Capture | None = None
         self._teardown_task: asyncio.Task[None] | None = None
         self._exit_status: int | None = None
         self._dirty = False
+        self._replaced = False  # a shell was replaced outside run() (by start()): the next run says so
         self._closed = False
 
     @property
@@ -145,12 +155,17 @@ class PtyShell:
         """Host pid of the process started from `argv`, None while no shell is running."""
         return self._proc.pid if self._proc is not None else None
 
+    @property
+    def alive(self) -> bool:
+        """True while the shell process runs (it may be busy with a command)."""
+        return self._proc is not None and not self._gone()
+
     async def start(self) -> None:
+        """Start the shell, or a new one if the last has exited; a no-op while one runs."""
         async with self._lock:
             if self._closed:
                 raise SandboxError("shell is closed")
-            if self._proc is None:
-                await self._spawn()
+            self._replaced |= await self._ensure_shell()
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         """Run `command` (any bash text, multi-line allowed); a timeout interrupts it and keeps the session."""
@@ -160,22 +175,20 @@ class PtyShell:
             loop = asyncio.get_running_loop()
             started = loop.time()
             notes: list[str] = []
-            if self._proc is None:
-                had_shell = self._seq > 0
-                await self._spawn()
-                if had_shell:
-                    notes.append(_RESET_NOTE)
-            elif self._dirty and await self._interrupt() is None:  # an earlier run was cancelled mid-command
+            # A new shell, or an earlier run cancelled mid-command that Ctrl-C could not end: state was reset.
+            if await self._ensure_shell() or self._replaced or (self._dirty and await self._interrupt() is None):
                 notes.append(_RESET_NOTE)
+            self._replaced = False
             self._dirty = True
             self._seq += 1
             cmd_file = self._control_dir / f"cmd_{self._seq}.sh"
             cmd_file.write_text(command if command.endswith("\n") else command + "\n", encoding="utf-8")
             cmd_file.chmod(0o644)
-            capture = self._expect(self._seq, self._max_output)
+            capture = self._expect(self._seq, self._max_output, self._max_drained)
             try:
                 self._send(f". {self._control_inside}/{cmd_file.name} < /dev/null; {self._marker_cmd(self._seq)}")
-                await asyncio.wait([capture.done], timeout=timeout)
+                await asyncio.wait([capture.done, capture.flooded], timeout=timeout, return_when="FIRST_COMPLETED")
+                flooded = capture.flooded.done() and not capture.done.done()
                 capture.finish()
                 self._capture = None
                 status = capture.done.result()
@@ -184,9 +197,13 @@ class PtyShell:
                     self._dirty = False
                     exit_code: int | None = status
                 elif self._proc is not None and not self._gone():
-                    timed_out, exit_code = True, None
+                    timed_out, exit_code = not flooded, None
                     how = await self._interrupt() or ("the shell was closed" if self._closed else _RESTARTED)
-                    notes.append(f"[timed out after {timeout:g}s: {how}]")
+                    notes.append(
+                        f"[output passed {self._max_drained} bytes: {how}]"
+                        if flooded
+                        else f"[timed out after {timeout:g}s: {how}]"
+                    )
                 else:
                     await self._teardown()
                     exit_code = None if self._closed else self._exit_status
@@ -216,11 +233,18 @@ class PtyShell:
 
     # -- process lifecycle -------------------------------------------------------------------------------------
 
+    async def _ensure_shell(self) -> bool:
+        """Spawn a shell if none runs (reaping one that exited meanwhile); True when it replaced an earlier one."""
+        if self._proc is not None and self._gone():
+            await self._teardown()
+        if self._proc is not None:
+            return False
+        had_shell = self._seq > 0
+        await self._spawn()
+        return had_shell
+
     async def _spawn(self) -> None:
-        try:
-            proc = PtyProcess.spawn(self._argv, env=self._env, echo=False, dimensions=self._dimensions)
-        except OSError as e:
-            raise SandboxError(f"cannot start shell {self._argv[0]!r}: {e}") from e
+        proc = _PtyChild.spawn(self._argv, self._env, self._dimensions)
         loop = asyncio.get_running_loop()
         os.set_blocking(proc.fd, False)
         self._proc, self._pidfd, self._teardown_task, self._exit_status = proc, os.pidfd_open(proc.pid), None, None
@@ -264,7 +288,7 @@ class PtyShell:
             self._teardown_task = asyncio.ensure_future(self._kill_and_reap(self._proc))
         await asyncio.shield(self._teardown_task)
 
-    async def _kill_and_reap(self, proc: PtyProcess) -> None:
+    async def _kill_and_reap(self, proc: _PtyChild) -> None:
         """Kill the session's other members first so their parents (still alive) reap them, then the leader.
 
         Killing the leader first would orphan them, and an orphan is only reaped whenever the host's pid 1 gets
@@ -277,22 +301,15 @@ class PtyShell:
         if not self._reap(proc):
             _kill_all({proc.pid} | _session_members(proc.pid))
             await _poll_until(lambda: self._reap(proc), _KILL_WAIT_S)
-        proc.fileobj.close()
-        proc.closed = True  # ptyprocess's own close() would sleep and signal again
+        os.close(proc.fd)
         self._proc = None
 
-    def _reap(self, proc: PtyProcess) -> bool:
+    def _reap(self, proc: _PtyChild) -> bool:
         """Non-blocking waitpid of the leader; records its exit status (None when killed by a signal)."""
-        if proc.status is not None:
-            return True
-        try:
-            pid, status = os.waitpid(proc.pid, os.WNOHANG)
-        except ChildProcessError:
-            pid, status = proc.pid, 0
-        if pid == 0:
+        code = proc.popen.poll()
+        if code is None:
             return False
-        proc.status = status
-        self._exit_status = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+        self._exit_status = code if code >= 0 else None
         return True
 
     # -- pty I/O -----------------------------------------------------------------------------------------------
@@ -300,8 +317,8 @@ class PtyShell:
     def _marker_cmd(self, seq: int) -> str:
         return f"printf '\\n%s%s:%s\\n' PRORL_ {self._token}_{seq} \"$?\"\n"
 
-    def _expect(self, seq: int, limit: int) -> _Capture:
-        self._capture = _Capture(f"PRORL_{self._token}_{seq}".encode(), limit)
+    def _expect(self, seq: int, limit: int, drain_limit: int | None = None) -> _Capture:
+        self._capture = _Capture(f"PRORL_{self._token}_{seq}".encode(), limit, drain_limit)
         return self._capture
 
     def _send(self, line: str, prefix: bytes = b"") -> None:
@@ -359,8 +376,37 @@ class PtyShell:
             self._capture.finish()
 
 
+class _PtyChild:
+    """A process whose stdin, stdout, stderr and controlling terminal are a new pty; `fd` is the pty's master."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], fd: int) -> None:
+        self.popen = popen
+        self.fd = fd
+        self.pid = popen.pid
+
+    @classmethod
+    def spawn(cls, argv: Sequence[str], env: Mapping[str, str] | None, dimensions: tuple[int, int]) -> _PtyChild:
+        setsid = shutil.which("setsid") or "/usr/bin/setsid"
+        master, slave = os.openpty()
+        try:
+            attrs = termios.tcgetattr(slave)
+            attrs[1] &= ~termios.ONLCR  # oflag: "\n" stays "\n" (no stty needed in the image)
+            attrs[3] &= ~termios.ECHO  # lflag: the shell's input is not echoed back
+            termios.tcsetattr(slave, termios.TCSANOW, attrs)
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", *dimensions, 0, 0))
+            popen = subprocess.Popen(
+                [setsid, "--ctty", *argv], stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True
+            )
+        except OSError as e:
+            os.close(master)
+            raise SandboxError(f"cannot start shell {argv[0]!r}: {e}") from e
+        finally:
+            os.close(slave)
+        return cls(popen, master)
+
+
 def _session_members(sid: int) -> set[int]:
-    """Host pids of the processes whose session id is `sid` (the shell is a session leader: ptyprocess setsid()s)."""
+    """Host pids of the processes whose session id is `sid` (the shell is a session leader: `setsid --ctty`)."""
     members = set()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():

@@ -1,0 +1,173 @@
+"""500 bubblewrap sandboxes through every way a life can end — cancelled mid-start, mid-command, mid-exec,
+mid-fork, timed out, shell exited, wall clock — then nothing of theirs is left on the host.
+
+"Left" means: a process (our descendants, or any process in one of their cgroups, whatever its uid), a temp dir
+(`prorl-sbx-*`, here under a temp root of this test's own), a cgroup directory, or a mount on the host. The
+sandboxes' own mounts live in their private mount namespaces, which die with their processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from nemo_gym_prorl.sandbox import BwrapSandbox, SandboxLimits, SandboxSpec
+from nemo_gym_prorl.sandbox.limits import own_cgroup_dirs
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+N_SANDBOXES = 500
+CONCURRENCY = 8
+SEED = 20261202
+SPEC = SandboxSpec(limits=SandboxLimits(memory_mb=256, max_processes=32, wall_clock_s=30))
+
+
+@pytest.fixture
+def private_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="prorl-test-leaks-"))
+    path.chmod(0o755)
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+async def ok(sbx: BwrapSandbox) -> None:
+    async with sbx:
+        assert (await sbx.run("echo hi", 10)).output == "hi\n"
+
+
+async def timeout(sbx: BwrapSandbox) -> None:
+    async with sbx:
+        assert (await sbx.run("sleep 30", 0.2)).timed_out
+        assert (await sbx.exec(["sleep", "30"], 0.2)).timed_out
+
+
+async def background(sbx: BwrapSandbox) -> None:
+    async with sbx:
+        await sbx.run("sleep 300 & setsid sleep 300 & (trap '' HUP TERM; sleep 300) &", 10)
+        await sbx.exec(["sh", "-c", "sleep 300 &"], 10)
+
+
+async def shell_exits(sbx: BwrapSandbox) -> None:
+    async with sbx:
+        await sbx.run("sleep 300 & exit 1", 10)
+        assert (await sbx.run("echo again", 10)).output.startswith("again")
+
+
+async def wall_clock(sbx: BwrapSandbox) -> None:
+    sbx.spec = SPEC.model_copy(update={"limits": SPEC.limits.model_copy(update={"wall_clock_s": 0.3})})
+    async with sbx:
+        await sbx.run("sleep 300", 10)
+
+
+async def long_command(sbx: BwrapSandbox) -> None:
+    """Meant to be cancelled: mid-start, mid-command or mid-exec, depending on when the cancellation lands."""
+    async with sbx:
+        await sbx.write_file("f.txt", b"x")
+        await sbx.exec(["sh", "-c", "sleep 300 & sleep 0.05"], 10)
+        await sbx.run("sleep 300", 60)
+
+
+async def forked(sbx: BwrapSandbox) -> None:
+    async with sbx:
+        await sbx.run("echo base > f.txt", 10)
+        forks = await sbx.fork(2)
+        try:
+            await asyncio.gather(*(f.run("sleep 300 & cat f.txt", 10) for f in forks))
+        finally:
+            await asyncio.gather(*(f.close() for f in forks))
+
+
+LIVES: list[tuple[Callable[[BwrapSandbox], Awaitable[None]], float]] = [
+    (ok, 0.25),
+    (timeout, 0.1),
+    (background, 0.1),
+    (shell_exits, 0.05),
+    (wall_clock, 0.05),
+    (long_command, 0.4),  # cancelled
+    (forked, 0.05),  # half of them cancelled
+]
+
+
+async def live(sbx: BwrapSandbox, life: Callable[[BwrapSandbox], Awaitable[None]], rng: random.Random) -> str:
+    """One sandbox's life; `long_command` and every other `forked` are cancelled at a random moment."""
+    task = asyncio.create_task(life(sbx))
+    if life is long_command or (life is forked and rng.random() < 0.5):
+        await asyncio.sleep(rng.uniform(0, 0.15))  # when to cancel: anywhere from before start to mid-command
+        task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return "cancelled"
+    finally:
+        await sbx.close()  # a no-op after `async with`; what a caller does when it never got that far
+    return life.__name__
+
+
+def our_processes(before: set[int]) -> list[psutil.Process]:
+    """Live descendants of this test process that were not there before the test."""
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in before and _alive(p)]
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def in_cgroups(names: set[str]) -> list[int]:
+    """Host pids of any process (any uid) whose cgroup is one of `names`."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cgroup") as f:
+                paths = {line.rstrip("\n").rsplit("/", 1)[-1] for line in f}
+        except OSError:
+            continue
+        if paths & names:
+            found.append(int(entry.name))
+    return found
+
+
+async def test_500_sandboxes_leave_nothing_behind(private_tmp: Path) -> None:
+    rng = random.Random(SEED)
+    lives = rng.choices([life for life, _ in LIVES], weights=[w for _, w in LIVES], k=N_SANDBOXES)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    sandboxes: list[BwrapSandbox] = []
+    gate = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(life: Callable[[BwrapSandbox], Awaitable[None]], seed: int) -> str:
+        async with gate:
+            sbx = BwrapSandbox(SPEC)
+            sandboxes.append(sbx)
+            return await live(sbx, life, random.Random(seed))
+
+    started = time.monotonic()
+    outcomes = await asyncio.gather(*(one(life, rng.randrange(2**32)) for life in lives))
+    elapsed = time.monotonic() - started
+    counts = {name: outcomes.count(name) for name in sorted(set(outcomes))}
+    print(f"{N_SANDBOXES} sandboxes in {elapsed:.1f}s: {counts}")
+    assert counts.get("cancelled", 0) >= N_SANDBOXES // 5 and counts.get("ok", 0) >= N_SANDBOXES // 10
+
+    names = {s.temp_dir.name for s in sandboxes if s.temp_dir is not None}
+    assert len(names) >= N_SANDBOXES * 0.8  # most got far enough to create their temp dir
+    assert our_processes(before) == []
+    assert in_cgroups(names) == []
+    assert sorted(p.name for p in private_tmp.iterdir()) == []
+    assert [d for parent in own_cgroup_dirs().values() for d in os.listdir(parent) if d in names] == []
+    with open("/proc/self/mountinfo") as f:
+        assert [line for line in f if str(private_tmp) in line] == []
