@@ -27,7 +27,8 @@ commands:
             prorl rollout task=math model=local sandbox=bwrap n_samples=4 limit=8 output=rollouts.jsonl
             (service.url=http://host:8100 sends the jobs to a running `prorl serve` instead)
   serve     the rollout service over HTTP (conf/serve.yaml), e.g. prorl serve service.port=8100
-  bench     benchmarks: prorl bench model | pipeline
+  bench     benchmarks: prorl bench model | pipeline | scale | throughput | tools | sandbox
+  image     sandbox images: prorl image build [--sif]  (a Debian rootfs from the host's apt sources, cached)
 """
 
 
@@ -92,7 +93,15 @@ def bench_command(args: list[str]) -> None:
     run_benchmark(args[0], args[1:])
 
 
-COMMANDS = {"rollout": rollout_command, "serve": serve_command, "bench": bench_command}
+def image_command(args: list[str]) -> None:
+    from nemo_gym_prorl.sandbox import images
+
+    if not args or args[0] != "build":
+        raise UsageError("image needs a subcommand: build")
+    images.main(args[1:])
+
+
+COMMANDS = {"rollout": rollout_command, "serve": serve_command, "bench": bench_command, "image": image_command}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -11,8 +13,10 @@ import pytest
 from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.sandbox import images
 
 TEST_N_CTX = 2048
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +41,24 @@ async def model_http(model_server: LocalModelServer) -> AsyncIterator[httpx.Asyn
 @pytest.fixture(scope="session")
 def tokenizer() -> Tokenizer:
     return Tokenizer.from_gguf(default_gguf())
+
+
+@pytest.fixture(scope="session")
+def installed() -> str:
+    """Apptainer and the image tools, installed by the script when missing (a second run takes well under a
+    second); the path of the `apptainer` binary."""
+    result = subprocess.run(
+        [str(REPO / "scripts/install_apptainer.sh")], check=False, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def rootfs(installed: str) -> Path:
+    return images.build_rootfs()
+
+
+@pytest.fixture(scope="session")
+def sif(rootfs: Path) -> Path:
+    return images.build_sif(rootfs)

@@ -37,6 +37,8 @@ pytestmark = pytest.mark.timeout(60)  # a case that hangs fails on its own inste
 
 @pytest.fixture(params=BACKENDS)
 async def sbx(request: pytest.FixtureRequest) -> AsyncIterator[Sandbox]:
+    if request.param == "apptainer":
+        request.getfixturevalue("sif")  # Apptainer installed and the default image built, whatever runs first
     async with open_sandbox(request.param, SPEC) as sandbox:
         yield sandbox
 

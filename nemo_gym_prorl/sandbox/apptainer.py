@@ -1,0 +1,749 @@
+"""Sandbox backend on Apptainer: one persistent instance per sandbox, a PTY shell and programs exec'd into it.
+
+`start()` runs `apptainer instance start` with `--containall --no-home --writable-tmpfs` (own pid, ipc and mount
+namespaces, clean environment, a throw-away writable layer over a read-only image), `--net --network none` unless
+`spec.network` (then the host's network is shared), a host temp dir bound read-write at /workspace, the shell's
+control dir bound read-only at /.prorl, and `spec.binds`. The persistent shell (`PtyShell`) and every `exec()` are
+`apptainer exec instance://NAME ...` into it; closing kills the instance's init, which takes every process of its
+pid namespace along, and removes the temp dirs and the instance's log files.
+
+Who runs inside: never the host's root.
+- Started as root, Apptainer runs privileged (no user namespace: as root, `--userns` maps the container's root to
+  the host's, and `--fakeroot` needs subuids). Each process enters the instance with only CAP_SETUID, CAP_SETGID
+  and CAP_SETPCAP and at once becomes uid/gid 65534 through the image's `setpriv`, dropping every capability
+  (bounding set included) and setting no_new_privs; the instance's init runs with `--no-privs`. Every process runs
+  under the system-call filter of `seccomp.py`, given to Apptainer as an OCI profile (see `_seccomp_profile` for
+  the one difference). Apptainer's own cgroups (v1 here, `systemd cgroups = no`) bound the memory of the sandbox as
+  a whole (`--memory`) and the number of its processes (`--pids-limit`, tightened once the shell runs so that
+  Apptainer's own tasks are not charged); each process that enters joins them.
+- Started as another user, Apptainer uses a user namespace and processes keep that user's uid, with no
+  capabilities and no filter of ours (`--security` is root's); cgroups need systemd there, so the process limit is
+  RLIMIT_NPROC, which Linux >= 5.14 counts per user namespace: per instance. The memory limit is then the
+  per-process one alone.
+Per-process limits (address space, CPU seconds, file size, no core dumps) are set with the image's `prlimit` just
+before the program runs, not on Apptainer itself (its Go runtime cannot start under a small RLIMIT_AS). Output is
+capped by PtyShell for `run()` and here for `exec()`; the wall-clock limit is a timer that closes the sandbox. The
+image must provide /usr/bin/env, /usr/bin/setpriv, /usr/bin/prlimit and /bin/bash (every Debian minbase does).
+
+`exec()` returns when its program exits; background processes it started stay in the sandbox, like the shell's,
+until it closes. A timed-out program is killed with everything in its session.
+
+Images (`spec.image`): a SIF file; a directory holding a root filesystem with `/.singularity.d/startscript` and
+`/.singularity.d/actions/start` (those from `images.build_rootfs` have them); or None: the default image of
+`images.ImageSpec()`, its SIF if built, else its directory; it is not built on demand (`prorl image build --sif`
+builds it).
+
+Instances are named `prorl-<owner pid>-<owner start time>-<random>`; `reap_orphan_instances()` stops those whose
+owner process is gone, and only those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import glob
+import json
+import os
+import platform
+import pwd
+import re
+import secrets
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
+from typing import Any, Self
+
+from nemo_gym_prorl.sandbox import images, seccomp
+from nemo_gym_prorl.sandbox.base import (
+    WORKSPACE,
+    ExecResult,
+    PathOutsideWorkspaceError,
+    SandboxError,
+    SandboxSpec,
+)
+from nemo_gym_prorl.sandbox.limits import OutputCap, rlimits
+from nemo_gym_prorl.sandbox.pty_shell import PtyShell
+
+APPTAINER_ENV = "PRORL_APPTAINER"
+PREFIX_ENV = "PRORL_APPTAINER_PREFIX"
+INSTALL_SCRIPT = "scripts/install_apptainer.sh"
+CONTROL_DIR = "/.prorl"
+INSTANCE_PREFIX = "prorl-"
+SANDBOX_UID = 65534
+"""uid and gid of everything that runs inside a sandbox started by root."""
+
+_REPO = Path(__file__).resolve().parents[2]
+_NAME_RE = re.compile(r"^prorl-(\d+)-(\d+)-[0-9a-f]{8}$")
+_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
+_KEEP_CAPS = frozenset({"CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"})
+# Every capability Apptainer knows; an entering process drops all but _KEEP_CAPS (naming them is how Apptainer
+# takes a drop list; `--drop-caps ALL` would drop the ones we need for setpriv too).
+_ALL_CAPS = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
+    "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE", "CAP_NET_BIND_SERVICE", "CAP_NET_BROADCAST", "CAP_NET_ADMIN",
+    "CAP_NET_RAW", "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE", "CAP_SYS_RAWIO", "CAP_SYS_CHROOT",
+    "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT", "CAP_SYS_NICE", "CAP_SYS_RESOURCE",
+    "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE", "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL",
+    "CAP_SETFCAP", "CAP_MAC_OVERRIDE", "CAP_MAC_ADMIN", "CAP_SYSLOG", "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND",
+    "CAP_AUDIT_READ", "CAP_PERFMON", "CAP_BPF", "CAP_CHECKPOINT_RESTORE",
+)  # fmt: skip
+_START_TIMEOUT_S = 60.0
+_STOP_WAIT_S = 5.0
+_SECCOMP_FILE = "seccomp.json"
+_STARTUP_PIDS = 64  # room for Apptainer's own tasks until the shell is up and the pids limit is tightened
+
+
+def find_apptainer() -> str:
+    """The `apptainer` binary: `$PRORL_APPTAINER`, else the prefix the install script uses
+    (`$PRORL_APPTAINER_PREFIX`, by default the repo's `.apptainer`), else PATH."""
+    configured = os.environ.get(APPTAINER_ENV)
+    if configured:
+        if not os.access(configured, os.X_OK):
+            raise SandboxError(f"${APPTAINER_ENV}={configured} is not an executable")
+        return configured
+    prefix = os.environ.get(PREFIX_ENV) or _REPO / ".apptainer"
+    private = Path(prefix) / "usr" / "bin" / "apptainer"
+    if os.access(private, os.X_OK):
+        return str(private)
+    found = shutil.which("apptainer")
+    if found:
+        return found
+    raise SandboxError(f"apptainer is not installed: run {_REPO / INSTALL_SCRIPT} (or set ${APPTAINER_ENV})")
+
+
+def list_instances(apptainer: str | None = None) -> dict[str, dict[str, Any]]:
+    """This user's running Apptainer instances by name (`apptainer instance list --json`)."""
+    proc = subprocess.run(
+        [apptainer or find_apptainer(), "-q", "instance", "list", "--json"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=_host_env(),
+    )
+    if proc.returncode != 0:
+        raise SandboxError(f"apptainer instance list failed: {proc.stderr.strip()}")
+    return {entry["instance"]: entry for entry in json.loads(proc.stdout or "{}").get("instances") or []}
+
+
+def reap_orphan_instances(apptainer: str | None = None) -> list[str]:
+    """Stop the instances of sandboxes whose owner process is gone (its pid is free or names a newer process), and
+    remove those sandboxes' temp dirs and instance logs; returns their names. Instances without our label, or whose
+    owner still runs, are left alone. Call it when a service starts, to clean up after one that crashed."""
+    binary = apptainer or find_apptainer()
+    reaped = set()
+    for name in list_instances(binary):
+        if _is_orphan(name):
+            _stop_instance_sync(binary, name)
+            reaped.add(name)
+    for leftover in Path(tempfile.gettempdir()).glob(f"{INSTANCE_PREFIX}*-*"):
+        name = leftover.name.rsplit("-", 1)[0]  # <name>-<mkdtemp suffix>
+        ours = leftover.is_dir() and not leftover.is_symlink() and leftover.stat().st_uid == os.geteuid()
+        if ours and _is_orphan(name):
+            shutil.rmtree(leftover, onexc=_make_writable_and_retry)
+            reaped.add(name)
+    for log in _instance_logs(f"{INSTANCE_PREFIX}*"):
+        name = log.name.rsplit(".", 1)[0]
+        if _is_orphan(name):
+            log.unlink(missing_ok=True)
+            reaped.add(name)
+    return sorted(reaped)
+
+
+def _is_orphan(name: str) -> bool:
+    """True for a name of ours whose owner (pid and start time, both in the name) no longer runs."""
+    match = _NAME_RE.match(name)
+    return match is not None and _process_start_time(int(match[1])) != int(match[2])
+
+
+class ApptainerSandbox:
+    """One Apptainer instance holding a persistent shell; see the module docstring for what it isolates."""
+
+    def __init__(self, spec: SandboxSpec | None = None, *, apptainer: str | None = None) -> None:
+        self.spec = spec or SandboxSpec()
+        self._apptainer = apptainer
+        self._as_root = os.geteuid() == 0
+        owner = os.getpid()
+        self.name = f"{INSTANCE_PREFIX}{owner}-{_process_start_time(owner)}-{secrets.token_hex(4)}"
+        self._dir: Path | None = None
+        self._workspace: Path | None = None
+        self._control: Path | None = None
+        self._shell: PtyShell | None = None
+        self._starting: asyncio.subprocess.Process | None = None
+        self._execs: set[_Program] = set()
+        self._init_fd: int | None = None
+        self._monitor_fd: int | None = None
+        self._instance_pid: int | None = None
+        self._instance_requested = False
+        self._wall_timer: asyncio.TimerHandle | None = None
+        self._close_task: asyncio.Task[None] | None = None
+        self._started = False
+        self._expired = False
+
+    @property
+    def workspace(self) -> Path | None:
+        """Host directory mounted at /workspace (None before start)."""
+        return self._workspace
+
+    @property
+    def temp_dir(self) -> Path | None:
+        """The sandbox's one host temp dir (`<tmp>/<name>-*`: workspace and control dir); None before start."""
+        return self._dir
+
+    @property
+    def pid(self) -> int | None:
+        """Host pid of the process that runs the shell (Apptainer's parent of it), None while no shell runs."""
+        return self._shell.pid if self._shell is not None else None
+
+    @property
+    def instance_pid(self) -> int | None:
+        """Host pid of the instance's init, None before the instance is up."""
+        return self._instance_pid
+
+    async def start(self) -> None:
+        if self._started or self._close_task is not None:
+            raise SandboxError("sandbox already started")
+        self._started = True
+        try:
+            self._apptainer = self._apptainer or find_apptainer()
+            image = await asyncio.to_thread(self._resolve_image)
+            control = self._make_dirs()
+            await self._start_instance(image)
+            limits = self.spec.limits
+            self._shell = PtyShell(
+                self._enter_argv(["/bin/bash", "--norc", "--noprofile", "--noediting", "-i"]),
+                control,
+                CONTROL_DIR,
+                env=_host_env(),
+                max_output_bytes=limits.max_output_bytes,
+            )
+            await self._shell.start()
+            self._tighten_pids_limit()
+        except BaseException:
+            await self.close()
+            raise
+        self._wall_timer = asyncio.get_running_loop().call_later(limits.wall_clock_s, self._expire)
+
+    async def run(self, command: str, timeout: float) -> ExecResult:
+        if self._shell is None:
+            raise SandboxError("sandbox is not started")
+        if self._close_task is not None:
+            raise SandboxError(self._closed_reason())
+        result = await self._shell.run(command, timeout)
+        if self._expired:
+            result.output += f"[{self._closed_reason()}]\n"
+        return result
+
+    async def exec(self, argv: list[str], timeout: float) -> ExecResult:
+        if self._shell is None:
+            raise SandboxError("sandbox is not started")
+        if self._close_task is not None:
+            raise SandboxError(self._closed_reason())
+        if not argv:
+            raise ValueError("exec needs a program to run")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        run = _Program(self._enter_argv(list(argv)), self.spec.limits.max_output_bytes)
+        self._execs.add(run)
+        try:
+            status, timed_out = await run.wait(timeout)
+        finally:
+            self._execs.discard(run)
+        output = run.output
+        text = output.text()
+        exit_code = status
+        if timed_out:
+            exit_code = None
+            text += ("" if not text or text.endswith("\n") else "\n") + f"[timed out after {timeout:g}s: killed]\n"
+        elif self._close_task is not None:
+            exit_code = None
+            text += f"[{self._closed_reason()}]\n"
+        return ExecResult(
+            output=text,
+            exit_code=exit_code,
+            timed_out=timed_out,
+            truncated=output.dropped > 0,
+            duration_s=loop.time() - started,
+        )
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        await asyncio.to_thread(self._write, self._relative(path), data)
+
+    async def read_file(self, path: str) -> bytes:
+        return await asyncio.to_thread(self._read, self._relative(path))
+
+    async def close(self) -> None:
+        """Stop the instance and remove the sandbox's dirs. Idempotent; finishes even if the caller is cancelled."""
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- starting --------------------------------------------------------------------------------------------
+
+    def _resolve_image(self) -> str:
+        if self.spec.image is None:
+            try:
+                rootfs = images.rootfs_path(images.ImageSpec())
+            except images.ImageError as e:
+                raise SandboxError(f"cannot locate the default image: {e}") from e
+            sif = images.sif_path(rootfs)
+            if sif.is_file():
+                return str(sif)
+            if images.is_built(rootfs):
+                return str(rootfs)
+            raise SandboxError(
+                f"the default image is not built ({rootfs}); build it with `prorl image build --sif` "
+                "(python -m nemo_gym_prorl.sandbox.images --sif)"
+            )
+        image = Path(self.spec.image)
+        if image.is_dir():
+            for needed in (".singularity.d/startscript", ".singularity.d/actions/start"):
+                if not (image / needed).is_file():
+                    raise SandboxError(
+                        f"{image} has no /{needed}, so Apptainer cannot start an instance from it: "
+                        "build it with nemo_gym_prorl.sandbox.images.build_rootfs or use a SIF"
+                    )
+            return str(image)
+        if image.is_file():
+            return str(image)
+        raise SandboxError(f"image {image} does not exist")
+
+    def _make_dirs(self) -> Path:
+        """The sandbox's host dir `<tmp>/<name>-XXXX/` with `workspace/` and `control/`; returns the latter."""
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
+        self._workspace = self._dir / "workspace"
+        self._control = self._dir / "control"
+        self._workspace.mkdir()
+        self._control.mkdir(mode=0o755)
+        self._control.chmod(0o755)
+        if self._as_root:
+            os.chown(self._workspace, SANDBOX_UID, SANDBOX_UID)
+            (self._dir / _SECCOMP_FILE).write_text(json.dumps(_seccomp_profile()))
+        return self._control
+
+    async def _start_instance(self, image: str) -> None:
+        assert self._dir is not None and self._control is not None and self._apptainer is not None
+        assert self._workspace is not None
+        argv = [self._apptainer, "-q", "instance", "start", "--containall", "--no-home", "--writable-tmpfs"]
+        argv += [] if self.spec.network else ["--net", "--network", "none"]
+        if self._as_root:
+            limits = self.spec.limits
+            argv += ["--security", f"seccomp:{_bind_path(self._dir / _SECCOMP_FILE)}"]
+            argv += ["--no-privs", "--memory", f"{limits.memory_mb}M", "--memory-swap", f"{limits.memory_mb}M"]
+            if limits.max_processes is not None:
+                argv += ["--pids-limit", str(limits.max_processes + _STARTUP_PIDS)]
+        argv += ["--bind", f"{_bind_path(self._workspace)}:{WORKSPACE}:rw"]
+        argv += ["--bind", f"{_bind_path(self._control)}:{CONTROL_DIR}:ro"]
+        for bind in self.spec.binds:
+            argv += ["--bind", f"{_bind_path(bind.source)}:{_bind_path(bind.target)}:{'rw' if bind.writable else 'ro'}"]
+        argv += [image, self.name]
+        # Run to completion even if our caller is cancelled meanwhile: close() waits for it, then stops the
+        # instance, so a half-started instance is never left behind.
+        self._instance_requested = True
+        self._starting = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=_host_env(),
+            start_new_session=True,
+        )
+        out, _ = await asyncio.shield(self._starting.communicate())
+        if self._starting.returncode != 0:
+            logs = [log.read_text(errors="replace") for log in _instance_logs(self.name) if log.suffix == ".err"]
+            details = "\n".join(part.strip() for part in (*logs, out.decode(errors="replace")) if part.strip())
+            raise SandboxError(f"apptainer instance start failed: {details}")
+        entry = (await asyncio.to_thread(list_instances, self._apptainer)).get(self.name)
+        if entry is None:
+            raise SandboxError(f"apptainer started instance {self.name} but does not list it")
+        self._open_instance_pidfds(int(entry["pid"]))
+
+    def _open_instance_pidfds(self, init_pid: int) -> None:
+        """pidfds of the container's init and of Apptainer's monitor (its parent): signalled and watched without
+        any risk of hitting a recycled pid."""
+        init_fd = os.pidfd_open(init_pid)
+        try:
+            monitor_pid = _parent_pid(init_pid)
+            monitor_fd = os.pidfd_open(monitor_pid)
+        except OSError:
+            os.close(init_fd)
+            raise
+        self._init_fd, self._monitor_fd, self._instance_pid = init_fd, monitor_fd, init_pid
+        # Both pidfds are open now, so these pids cannot be reused; check that they still are the instance's.
+        if _parent_pid(init_pid) != monitor_pid or f"[{self.name}]" not in _cmdline(monitor_pid):
+            raise SandboxError(f"instance {self.name} exited right after it started")
+
+    def _tighten_pids_limit(self) -> None:
+        """Set the pids cgroup to `max_processes` plus Apptainer's own tasks in it, counted now that the shell runs:
+        the init's threads (a Go runtime, as many as the host has CPUs) and the shell's Apptainer parent. Each
+        `exec()` running at the same time adds its own Apptainer parent to the count."""
+        limit = self.spec.limits.max_processes
+        if not self._as_root or limit is None or self._instance_pid is None:
+            return
+        pids_dir = _cgroup_dir(self._instance_pid, "pids")
+        if pids_dir is None:
+            raise SandboxError(f"instance {self.name} has no pids cgroup")
+        current = int((pids_dir / "pids.current").read_text())
+        # The shell and the init (as one process, not its threads) count as the sandbox's: the pid namespace holds
+        # at most `limit` processes.
+        (pids_dir / "pids.max").write_text(str(limit + current - 2))
+
+    def _enter_argv(self, program: list[str]) -> list[str]:
+        """argv on the host that runs `program` inside the instance, with the sandbox's user, limits and env."""
+        assert self._apptainer is not None
+        limits = self.spec.limits
+        argv = [self._apptainer, "-q", "exec", "--cleanenv", "--pwd", WORKSPACE]
+        if self._as_root:
+            assert self._dir is not None
+            argv += ["--security", f"seccomp:{self._dir / _SECCOMP_FILE}"]
+            argv += ["--drop-caps", ",".join(cap for cap in _ALL_CAPS if cap not in _KEEP_CAPS)]
+        argv += [f"instance://{self.name}"]
+        if self._as_root:
+            argv += ["/usr/bin/setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups"]
+            argv += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+        values = rlimits(limits)
+        if self._as_root:
+            values.pop("nproc", None)  # as uid 65534 in the host's user namespace it would count every sandbox
+        argv += ["/usr/bin/prlimit", *(f"--{name}={soft}:{hard}" for name, (soft, hard) in values.items())]
+        env = {"PATH": _PATH, "HOME": WORKSPACE, "LANG": "C.UTF-8", "TERM": "dumb", **self.spec.env}
+        argv += ["--", "/usr/bin/env", "-i", *(f"{key}={value}" for key, value in env.items())]
+        return argv + program
+
+    # -- closing ---------------------------------------------------------------------------------------------
+
+    def _expire(self) -> None:
+        self._expired = True
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._close())
+
+    def _closed_reason(self) -> str:
+        if self._expired:
+            return f"sandbox killed: wall-clock limit of {self.spec.limits.wall_clock_s:g}s reached"
+        return "sandbox is closed"
+
+    async def _close(self) -> None:
+        if self._wall_timer is not None:
+            self._wall_timer.cancel()
+        try:
+            if self._shell is not None:
+                await self._shell.close()
+            for program in list(self._execs):
+                program.kill()
+            if self._starting is not None and self._starting.returncode is None:
+                try:
+                    await asyncio.wait_for(self._starting.wait(), _START_TIMEOUT_S)
+                except TimeoutError:
+                    _kill_session(self._starting.pid)
+                    await self._starting.wait()
+            await self._stop_instance()
+        finally:
+            for fd in (self._init_fd, self._monitor_fd):
+                if fd is not None:
+                    os.close(fd)
+            self._init_fd = self._monitor_fd = None
+            for log in _instance_logs(self.name):
+                log.unlink(missing_ok=True)
+            if self._dir is not None and self._dir.exists():
+                shutil.rmtree(self._dir, onexc=_make_writable_and_retry)
+
+    async def _stop_instance(self) -> None:
+        """Kill the container's init (its pid namespace dies with it) and wait for Apptainer's monitor to clean up
+        and exit. That is what `apptainer instance stop --signal KILL` does, without its one-second polling; the
+        command itself is the fallback when the monitor does not finish, or when the pidfds were never opened."""
+        if not self._instance_requested or self._apptainer is None:
+            return
+        if self._init_fd is not None and self._monitor_fd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._init_fd, signal.SIGKILL)
+            if await _wait_readable(self._monitor_fd, _STOP_WAIT_S):
+                return
+        else:  # start failed or was cancelled half-way: find the instance, if it came up, by its name
+            if self.name not in await asyncio.to_thread(list_instances, self._apptainer):
+                return
+        await asyncio.to_thread(_stop_instance_sync, self._apptainer, self.name)
+        if self._monitor_fd is not None and not await _wait_readable(self._monitor_fd, _STOP_WAIT_S):
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._monitor_fd, signal.SIGKILL)
+            await _wait_readable(self._monitor_fd, _STOP_WAIT_S)
+
+    # -- workspace I/O -----------------------------------------------------------------------------------------
+
+    def _relative(self, path: str) -> PurePosixPath:
+        """`path` as a workspace-relative path, rejecting anything that leaves the workspace (`..`, symlinks)."""
+        if self._workspace is None or self._close_task is not None:
+            raise SandboxError("sandbox is not running")
+        pure = PurePosixPath(path)
+        if pure.is_absolute():
+            if not pure.is_relative_to(WORKSPACE):
+                raise PathOutsideWorkspaceError(f"path {path!r} is outside {WORKSPACE}")
+            pure = pure.relative_to(WORKSPACE)
+        root = os.path.realpath(self._workspace)
+        resolved = os.path.realpath(os.path.join(root, pure))
+        if resolved == root:
+            raise PathOutsideWorkspaceError(f"path {path!r} names the workspace itself, not a file in it")
+        if not resolved.startswith(root + os.sep):
+            raise PathOutsideWorkspaceError(f"path {path!r} resolves outside {WORKSPACE} (via '..' or a symlink)")
+        return PurePosixPath(os.path.relpath(resolved, root))
+
+    def _open_dir(self, parts: tuple[str, ...], create: bool) -> int:
+        """Open the workspace subdirectory `parts` without following symlinks, so a link swapped in from inside
+        after `_relative` checked the path cannot redirect host-side I/O outside the workspace."""
+        assert self._workspace is not None
+        fd = os.open(self._workspace, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for part in parts:
+                if create:
+                    try:
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                        if self._as_root:
+                            os.chown(part, SANDBOX_UID, SANDBOX_UID, dir_fd=fd, follow_symlinks=False)
+                    except FileExistsError:
+                        pass
+                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _write(self, rel: PurePosixPath, data: bytes) -> None:
+        dir_fd = self._open_dir(rel.parent.parts, create=True)
+        try:
+            fd = os.open(rel.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        with open(fd, "wb") as f:
+            if self._as_root:
+                os.fchown(fd, SANDBOX_UID, SANDBOX_UID)
+            f.write(data)
+
+    def _read(self, rel: PurePosixPath) -> bytes:
+        dir_fd = self._open_dir(rel.parent.parts, create=False)
+        try:
+            fd = os.open(rel.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        with open(fd, "rb") as f:
+            return f.read()
+
+
+def _seccomp_profile() -> dict[str, Any]:
+    """The filter of `seccomp.py` as an OCI seccomp profile, which Apptainer loads into each process it starts.
+
+    Apptainer ignores a rule's `errnoRet` (every denial answers EPERM), so `clone3` cannot be made to answer
+    ENOSYS as bwrap's filter does: an EPERM would stop libc from falling back to `clone`, and threads with it.
+    `clone3` stays allowed; `clone` with a CLONE_NEW* flag, `unshare` and `setns` are denied."""
+    deny: dict[str, Any] = {"action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM}
+    arches = {
+        "x86_64": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        "aarch64": ["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"],
+    }.get(platform.machine(), [])
+    rules = [{"names": list(seccomp.DENIED), **deny}]
+    rules += [
+        {
+            "names": ["clone"],
+            **deny,
+            "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
+        }
+        for flag in seccomp.CLONE_NEW_FLAGS
+    ]
+    rules += [
+        {"names": ["ioctl"], **deny, "args": [{"index": 1, "value": request, "op": "SCMP_CMP_EQ"}]}
+        for request in seccomp.TERMINAL_IOCTLS
+    ]
+    return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": arches, "syscalls": rules}
+
+
+class _Program:
+    """One `apptainer exec` with its output on a pipe, watched through a pidfd.
+
+    Not an asyncio subprocess: its `wait()` also waits for the pipe to close, which a background process the
+    program leaves in the sandbox keeps open. Here the program is done when Apptainer's process exits; what it
+    wrote is in the pipe by then and is read without waiting for the pipe's other holders.
+    """
+
+    def __init__(self, argv: list[str], max_output_bytes: int) -> None:
+        self.output = OutputCap(max_output_bytes)
+        read_end, write_end = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=write_end,
+                stderr=write_end,
+                env=_host_env(),
+                start_new_session=True,  # Apptainer's parent and the program share this session: killed together
+            )
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        self._pipe = read_end
+        self._pidfd = os.pidfd_open(self._proc.pid)
+        os.set_blocking(self._pipe, False)
+        asyncio.get_running_loop().add_reader(self._pipe, self._read)
+
+    async def wait(self, timeout: float) -> tuple[int | None, bool]:
+        """(exit status, timed out): 128 + N for a program killed by signal N, None on timeout. On timeout, or
+        when cancelled, the program and its session are killed."""
+        try:
+            timed_out = not await _wait_readable(self._pidfd, timeout)
+            if timed_out:
+                self.kill()
+                await _wait_readable(self._pidfd, _STOP_WAIT_S)
+            status = self._proc.wait()  # exited (the pidfd said so): reaps at once
+        finally:
+            if self._proc.poll() is None:
+                self.kill()
+                await asyncio.shield(_wait_readable(self._pidfd, _STOP_WAIT_S))
+                self._proc.wait()
+            self._finish()
+        if timed_out:
+            return None, True
+        return (128 - status if status < 0 else status), False  # killed by a signal: as a shell reports it
+
+    def kill(self) -> None:
+        if self._proc.returncode is None:  # not yet reaped: its pid, and so its session id, are still its own
+            _kill_session(self._proc.pid)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self._pipe, 65536)
+            except BlockingIOError:
+                return
+            if not chunk:
+                asyncio.get_running_loop().remove_reader(self._pipe)
+                return
+            self.output.add(chunk)
+
+    def _finish(self) -> None:
+        """Take what is buffered in the pipe now, then stop reading it."""
+        if self._pipe < 0:
+            return
+        self._read()
+        asyncio.get_running_loop().remove_reader(self._pipe)
+        os.close(self._pipe)
+        os.close(self._pidfd)
+        self._pipe = -1
+
+
+def _host_env() -> dict[str, str]:
+    """Environment of the Apptainer commands on the host: a PATH to find its helpers, nothing else of ours."""
+    return {"PATH": os.environ.get("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"), "LANG": "C"}
+
+
+def _bind_path(path: str | os.PathLike[str]) -> str:
+    text = str(path)
+    if not os.path.isabs(text) or ":" in text or "," in text:
+        raise SandboxError(f"bind path {text!r} must be absolute and hold no ':' or ','")
+    return text
+
+
+def _stop_instance_sync(apptainer: str, name: str) -> None:
+    """`apptainer instance stop --force NAME` (SIGKILL to its init); an instance already gone is fine."""
+    subprocess.run(
+        [apptainer, "-q", "instance", "stop", "--force", name],
+        check=False,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        env=_host_env(),
+        timeout=60,
+    )
+
+
+def _instance_logs(name: str) -> list[Path]:
+    """Apptainer's log files of this user's instance `name` (a glob pattern), which outlive the instance."""
+    configdir = os.environ.get("APPTAINER_CONFIGDIR") or os.path.join(pwd.getpwuid(os.geteuid()).pw_dir, ".apptainer")
+    return [
+        Path(p) for p in glob.glob(os.path.join(glob.escape(configdir), "instances", "logs", "*", "*", f"{name}.*"))
+    ]
+
+
+def _kill_session(sid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(sid, signal.SIGKILL)
+
+
+async def _wait_readable(fd: int, timeout: float) -> bool:
+    """Wait until a pidfd reports its process's exit (an event, not a poll); False on timeout."""
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    loop.add_reader(fd, lambda: exited.done() or exited.set_result(True))
+    try:
+        await asyncio.wait_for(exited, timeout)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+
+
+def _cgroup_dir(pid: int, controller: str) -> Path | None:
+    """The cgroup v1 directory of `pid` for `controller`, where this process sees that hierarchy mounted."""
+    relative = None
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if controller in controllers.split(","):
+                relative = path
+    if relative is None:
+        return None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            before, _, after = line.partition(" - ")
+            fields, (fstype, _source, options) = before.split(), (after.split() + ["", "", ""])[:3]
+            if fstype == "cgroup" and controller in options.split(",") and relative.startswith(fields[3]):
+                candidate = Path(fields[4], os.path.relpath(relative, fields[3]))
+                if candidate.is_dir():
+                    return candidate
+    return None
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """Fields of /proc/PID/stat after "pid (comm)": state, ppid, pgrp, session, ..., starttime is index 19."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _process_start_time(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None
+
+
+def _parent_pid(pid: int) -> int:
+    fields = _stat_fields(pid)
+    if fields is None:
+        raise ProcessLookupError(pid)
+    return int(fields[1])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _make_writable_and_retry(func: Callable[[str], object], path: str, _exc: BaseException) -> None:
+    """rmtree helper: the sandbox may leave read-only directories behind."""
+    parent = os.path.dirname(path)
+    os.chmod(parent, os.stat(parent).st_mode | stat.S_IWUSR | stat.S_IXUSR)
+    func(path)
