@@ -83,3 +83,14 @@ def test_unknown_command_and_help() -> None:
     assert "usage: prorl" in prorl("--help").stdout
     result = prorl("train")
     assert result.returncode == 2 and "unknown command 'train'" in result.stderr
+
+
+def test_pipeline_benchmark_runs_and_ends_with_its_ratio() -> None:
+    result = prorl("bench", "pipeline", "--rollouts", "12", "--rounds", "1", timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("ratio pipeline/naive: ")
+
+
+def test_unknown_benchmark_names_the_known_ones() -> None:
+    result = prorl("bench", "warp")
+    assert result.returncode == 2 and "model, pipeline, scale" in result.stderr
