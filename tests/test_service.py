@@ -188,3 +188,32 @@ async def test_results_survive_a_restart_and_unfinished_jobs_are_requeued(instan
         assert (await client.get("finished")).results[0].reward == 1.0
         view = await client.wait("in-flight")
     assert view.state == "done" and view.results[0].reward == 1.0
+
+
+async def test_a_model_backend_killed_mid_rollout_is_retried_on_another(tmp_path: Path) -> None:
+    from nemo_gym_prorl.service.llm_pool import LLMPoolConfig
+
+    script = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]
+    async with ModelServerProcess(standin_argv(script, hold=True)) as doomed, ModelServerProcess(standin_argv(script)) as healthy:
+        pool = LLMPoolConfig(backoff_base_s=0.05, health_interval_s=0)
+        config = service_config(doomed.base_url, tmp_path, llm_pool=pool)
+        async with run_service(config) as svc, RolloutClient(svc.url) as client:
+            job_id = await client.submit(JobRequest(instance=ROW, n=3))
+            async with asyncio.timeout(60):  # all three are waiting on the held backend
+                while svc.orchestrator.pool.in_flight < 3:
+                    await asyncio.sleep(0.05)
+            svc.orchestrator.pool.add(healthy.base_url)
+            os.killpg(doomed.pid, 9)
+            view = await client.wait(job_id)
+    assert [t.critical_error for t in view.results] == [None] * 3 and [t.reward for t in view.results] == [1.0] * 3
+
+
+async def test_no_reachable_model_ends_rollouts_classified_not_hung(tmp_path: Path) -> None:
+    from nemo_gym_prorl.service.llm_pool import LLMPoolConfig
+
+    pool = LLMPoolConfig(max_retries=1, backoff_base_s=0.01, wait_for_backend_s=2, health_interval_s=0, connect_timeout_s=2)
+    async with service("http://127.0.0.1:9", tmp_path, llm_pool=pool) as svc, RolloutClient(svc.url) as client:
+        view = await asyncio.wait_for(client.wait(await client.submit(JobRequest(instance=ROW, n=2))), 120)
+    assert {t.critical_error for t in view.results} == {"run"}
+    assert all("LLMUnavailable" in t.error for t in view.results)
+    assert sandbox_processes() == []
