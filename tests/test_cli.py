@@ -50,7 +50,7 @@ def test_rollout_writes_token_faithful_trajectories_graded_by_math_verify(tmp_pa
     [
         (["task=nope"], "unknown task 'nope'; known: math"),
         (["model=gpt5"], "unknown model 'gpt5'; known: local"),
-        (["sandbox=docker"], "unknown sandbox 'docker'; known: bwrap"),
+        (["sandbox=docker"], "unknown sandbox 'docker'; known: apptainer, bwrap"),
         (["n_samples=four"], "invalid n_samples='four'"),
         (["limit=0"], "invalid limit=0"),
     ],
