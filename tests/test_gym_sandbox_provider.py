@@ -1,5 +1,5 @@
 """NeMo Gym sandboxes both ways: Gym's own API on our bwrap provider (found through the entry point), and our
-environment and tools on Gym's real `local` provider."""
+environment and tools on Gym's real `local` provider; and Gym's own `apptainer` provider on our Apptainer and image."""
 
 from __future__ import annotations
 
@@ -23,11 +23,13 @@ from nemo_gym_prorl.envs import make_environment
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.sandbox import SandboxSpec, open_sandbox
+from nemo_gym_prorl.sandbox.apptainer import _instance_logs, list_instances, remove_instance_logs
 from nemo_gym_prorl.sandbox.base import PathOutsideWorkspaceError
 from nemo_gym_prorl.sandbox.gym_provider import (
     BwrapProvider,
     GymProviderSandbox,
     ProrlProvider,
+    gym_apptainer_config,
     register_gym_backends,
 )
 from nemo_gym_prorl.tool_calls import ToolCall
@@ -203,3 +205,25 @@ async def test_local_sandbox_close_kills_background_processes_and_removes_the_wo
     assert _marked_processes(sbx) == [] and workdir is not None and not Path(workdir).exists()
     with pytest.raises(Exception, match="closed"):
         await sbx.run("true", timeout=5)
+
+
+# -- Gym's own apptainer provider, on our Apptainer and image --------------------------------------------------
+
+
+async def test_gyms_apptainer_provider_runs_on_our_binary_and_image(sif: Path, tmp_path: Path) -> None:
+    """With `gym_apptainer_config`, Gym's provider runs on the binary and SIF our backend uses (as root, as it
+    ships, it cannot start an instance here), and stopping leaves no instance, staging dir or (once removed) log."""
+    spec = GymSpec(image=str(sif), workdir="/sandbox", env={"GREETING": "hello"})
+    async with AsyncSandbox(gym_apptainer_config(), spec) as box:
+        await box.start()
+        name = (await box.serialize())["sandbox_id"]
+        assert name in list_instances()
+        staging = Path((await box.serialize())["staging_dir"])
+        result = await box.exec("echo $GREETING; pwd; python3 -c 'import numpy; print(numpy.__name__)'")
+        assert (result.return_code, result.stdout) == (0, "hello\n/sandbox\nnumpy\n")
+        (tmp_path / "in.txt").write_text("data\n")
+        await box.upload(tmp_path / "in.txt", "/sandbox/in.txt")
+        assert (await box.exec("cat /sandbox/in.txt")).stdout == "data\n"
+    assert name not in list_instances() and not staging.exists()
+    remove_instance_logs(name)
+    assert not _instance_logs(name)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+from sandbox_helpers import reachable_temp_dir
 
 from nemo_gym_prorl.sandbox import BwrapSandbox, SandboxError, SandboxLimits, SandboxSpec
 from nemo_gym_prorl.sandbox.base import ForkableSandbox, PathOutsideWorkspaceError
@@ -22,13 +22,9 @@ SPEC = SandboxSpec(env={"TASK": "t1"}, limits=SandboxLimits(memory_mb=512, max_p
 @pytest.fixture
 def private_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Sandboxes of this test put their temp dirs here, so the test sees exactly what they leave behind."""
-    path = Path(tempfile.mkdtemp(prefix="prorl-test-fork-"))
-    path.chmod(0o755)
-    monkeypatch.setattr(tempfile, "tempdir", str(path))
-    try:
+    with reachable_temp_dir() as path:
+        monkeypatch.setattr(tempfile, "tempdir", str(path))
         yield path
-    finally:
-        shutil.rmtree(path)
 
 
 @pytest.fixture
@@ -98,6 +94,41 @@ async def test_closing_the_parent_keeps_forks_and_the_last_fork_removes_the_snap
     assert leftovers(private_tmp) == []
 
 
+async def test_fork_and_close_hands_the_workspace_over_without_copying(parent: BwrapSandbox, private_tmp: Path) -> None:
+    """For a GRPO group whose init sandbox has no further use: the parent is closed and its workspace becomes the
+    forks' snapshot as it is, the same files (inode for inode), not a copy."""
+    await parent.run("head -c 1000000 /dev/urandom > big.bin", 20)
+    assert parent.workspace is not None and parent.temp_dir is not None
+    inode, parent_dir = (parent.workspace / "big.bin").stat().st_ino, parent.temp_dir
+    forks = await parent.fork(3, close=True)
+    try:
+        with pytest.raises(SandboxError, match="closed"):
+            await parent.run("true", 5)
+        assert not parent_dir.exists()
+        (snapshot,) = [p for p in private_tmp.iterdir() if p.name.startswith("prorl-sbx-snap-")]
+        assert (snapshot / "tree/big.bin").stat().st_ino == inode
+        for i, fork in enumerate(forks):
+            result = await fork.run(f"cat src/pkg/mod.py; echo {i} > src/pkg/mod.py; cat link/pkg/mod.py", 5)
+            assert result.output == f"v1\n{i}\n"
+        assert len({(await fork.run("md5sum big.bin", 20)).output for fork in forks}) == 1
+    finally:
+        await close_all(forks)
+    assert leftovers(private_tmp) == []
+
+
+async def test_a_fork_closed_as_it_forks_hands_over_a_copy_of_its_view(parent: BwrapSandbox) -> None:
+    (first,) = await parent.fork(1, close=True)
+    await first.run("echo changed > src/pkg/mod.py", 5)
+    grandchildren = await first.fork(2, close=True)  # a fork's workspace is an overlay: copied, then it closes
+    try:
+        with pytest.raises(SandboxError, match="closed"):
+            await first.run("true", 5)
+        for child in grandchildren:
+            assert (await child.run("cat src/pkg/mod.py", 5)).output == "changed\n"
+    finally:
+        await close_all(grandchildren)
+
+
 async def test_fork_of_a_fork_starts_from_the_forks_view(parent: BwrapSandbox) -> None:
     (first,) = await parent.fork(1)
     try:
@@ -141,22 +172,27 @@ async def test_fork_files_and_exec_go_through_the_forks_view(parent: BwrapSandbo
         await fork.close()
 
 
+def failing_start(n: int) -> Callable[[BwrapSandbox], None]:
+    """`BwrapSandbox._prepare_host_dirs` that fails ("disk full") for the n-th sandbox to start from now on."""
+    original = BwrapSandbox._prepare_host_dirs
+    calls = 0
+
+    def prepare(self: BwrapSandbox) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            raise OSError("disk full")
+        original(self)
+
+    return prepare
+
+
 async def test_a_failed_or_cancelled_fork_leaves_nothing(
     parent: BwrapSandbox, private_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     before = leftovers(private_tmp)
-    original = BwrapSandbox._prepare_host_dirs
-    calls = 0
-
-    def third_fails(self: BwrapSandbox) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise OSError("disk full")
-        original(self)
-
     with monkeypatch.context() as patch:
-        patch.setattr(BwrapSandbox, "_prepare_host_dirs", third_fails)
+        patch.setattr(BwrapSandbox, "_prepare_host_dirs", failing_start(3))
         with pytest.raises(OSError, match="disk full"):
             await parent.fork(4)
     assert leftovers(private_tmp) == before
@@ -173,6 +209,18 @@ async def test_a_failed_or_cancelled_fork_leaves_nothing(
         assert leftovers(private_tmp) == before
         assert set(children()) == {parent.pid}  # the parent's bwrap is our only child process left
     assert (await parent.run("cat src/pkg/mod.py", 5)).output == "v1\n"
+
+
+async def test_a_failed_fork_and_close_still_closes_and_leaves_nothing(
+    parent: BwrapSandbox, private_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(BwrapSandbox, "_prepare_host_dirs", failing_start(2))
+    with pytest.raises(OSError, match="disk full"):
+        await parent.fork(3, close=True)
+    with pytest.raises(SandboxError, match="closed"):
+        await parent.run("true", 5)
+    assert leftovers(private_tmp) == []
+    assert children() == []
 
 
 def children() -> list[int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from sandbox_helpers import reachable_temp_dir
 
 from nemo_gym_prorl.sandbox import BwrapSandbox, SandboxLimits, SandboxSpec
 from nemo_gym_prorl.sandbox.limits import own_cgroup_dirs
@@ -33,13 +33,9 @@ SPEC = SandboxSpec(limits=SandboxLimits(memory_mb=256, max_processes=32, wall_cl
 
 @pytest.fixture
 def private_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="prorl-test-leaks-"))
-    path.chmod(0o755)
-    monkeypatch.setattr(tempfile, "tempdir", str(path))
-    try:
+    with reachable_temp_dir() as path:
+        monkeypatch.setattr(tempfile, "tempdir", str(path))
         yield path
-    finally:
-        shutil.rmtree(path)
 
 
 async def ok(sbx: BwrapSandbox) -> None:

@@ -16,7 +16,9 @@ def _lazy(module: str) -> Callable[[list[str]], None]:
     return run
 
 
-BENCHMARKS: dict[str, Callable[[list[str]], None]] = {name: _lazy(name) for name in ("model", "pipeline", "scale")}
+BENCHMARKS: dict[str, Callable[[list[str]], None]] = {
+    name: _lazy(name) for name in ("model", "pipeline", "scale", "tools", "sandbox", "throughput")
+}
 
 
 def run_benchmark(name: str, args: list[str]) -> None:

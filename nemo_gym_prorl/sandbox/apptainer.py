@@ -51,23 +51,17 @@ import re
 import secrets
 import shutil
 import signal
-import stat
 import subprocess
 import tempfile
-from collections.abc import Callable
-from pathlib import Path, PurePosixPath
-from typing import Any, Self
+from pathlib import Path
+from typing import Any
 
 from nemo_gym_prorl.sandbox import images, seccomp
-from nemo_gym_prorl.sandbox.base import (
-    WORKSPACE,
-    ExecResult,
-    PathOutsideWorkspaceError,
-    SandboxError,
-    SandboxSpec,
-)
+from nemo_gym_prorl.sandbox.base import WORKSPACE, ExecResult, SandboxError, SandboxSpec
+from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle
 from nemo_gym_prorl.sandbox.limits import OutputCap, rlimits
 from nemo_gym_prorl.sandbox.pty_shell import PtyShell
+from nemo_gym_prorl.sandbox.workspace import HostWorkspace, remove_tree
 
 APPTAINER_ENV = "PRORL_APPTAINER"
 PREFIX_ENV = "PRORL_APPTAINER_PREFIX"
@@ -144,7 +138,7 @@ def reap_orphan_instances(apptainer: str | None = None) -> list[str]:
         name = leftover.name.rsplit("-", 1)[0]  # <name>-<mkdtemp suffix>
         ours = leftover.is_dir() and not leftover.is_symlink() and leftover.stat().st_uid == os.geteuid()
         if ours and _is_orphan(name):
-            shutil.rmtree(leftover, onexc=_make_writable_and_retry)
+            remove_tree(leftover)
             reaped.add(name)
     for log in _instance_logs(f"{INSTANCE_PREFIX}*"):
         name = log.name.rsplit(".", 1)[0]
@@ -160,7 +154,7 @@ def _is_orphan(name: str) -> bool:
     return match is not None and _process_start_time(int(match[1])) != int(match[2])
 
 
-class ApptainerSandbox:
+class ApptainerSandbox(SandboxLifecycle):
     """One Apptainer instance holding a persistent shell; see the module docstring for what it isolates."""
 
     def __init__(self, spec: SandboxSpec | None = None, *, apptainer: str | None = None) -> None:
@@ -179,10 +173,7 @@ class ApptainerSandbox:
         self._monitor_fd: int | None = None
         self._instance_pid: int | None = None
         self._instance_requested = False
-        self._wall_timer: asyncio.TimerHandle | None = None
-        self._close_task: asyncio.Task[None] | None = None
         self._started = False
-        self._expired = False
 
     @property
     def workspace(self) -> Path | None:
@@ -226,13 +217,12 @@ class ApptainerSandbox:
         except BaseException:
             await self.close()
             raise
-        self._wall_timer = asyncio.get_running_loop().call_later(limits.wall_clock_s, self._expire)
+        self._arm_wall_clock()
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         if self._shell is None:
             raise SandboxError("sandbox is not started")
-        if self._close_task is not None:
-            raise SandboxError(self._closed_reason())
+        self._check_open()
         result = await self._shell.run(command, timeout)
         if self._expired:
             result.output += f"[{self._closed_reason()}]\n"
@@ -241,8 +231,7 @@ class ApptainerSandbox:
     async def exec(self, argv: list[str], timeout: float) -> ExecResult:
         if self._shell is None:
             raise SandboxError("sandbox is not started")
-        if self._close_task is not None:
-            raise SandboxError(self._closed_reason())
+        self._check_open()
         if not argv:
             raise ValueError("exec needs a program to run")
         loop = asyncio.get_running_loop()
@@ -271,23 +260,10 @@ class ApptainerSandbox:
         )
 
     async def write_file(self, path: str, data: bytes) -> None:
-        await asyncio.to_thread(self._write, self._relative(path), data)
+        await asyncio.to_thread(self._host_workspace().write, path, data)
 
     async def read_file(self, path: str) -> bytes:
-        return await asyncio.to_thread(self._read, self._relative(path))
-
-    async def close(self) -> None:
-        """Stop the instance and remove the sandbox's dirs. Idempotent; finishes even if the caller is cancelled."""
-        if self._close_task is None:
-            self._close_task = asyncio.ensure_future(self._close())
-        await asyncio.shield(self._close_task)
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        return await asyncio.to_thread(self._host_workspace().read, path)
 
     # -- starting --------------------------------------------------------------------------------------------
 
@@ -422,19 +398,7 @@ class ApptainerSandbox:
 
     # -- closing ---------------------------------------------------------------------------------------------
 
-    def _expire(self) -> None:
-        self._expired = True
-        if self._close_task is None:
-            self._close_task = asyncio.ensure_future(self._close())
-
-    def _closed_reason(self) -> str:
-        if self._expired:
-            return f"sandbox killed: wall-clock limit of {self.spec.limits.wall_clock_s:g}s reached"
-        return "sandbox is closed"
-
     async def _close(self) -> None:
-        if self._wall_timer is not None:
-            self._wall_timer.cancel()
         try:
             if self._shell is not None:
                 await self._shell.close()
@@ -452,10 +416,9 @@ class ApptainerSandbox:
                 if fd is not None:
                     os.close(fd)
             self._init_fd = self._monitor_fd = None
-            for log in _instance_logs(self.name):
-                log.unlink(missing_ok=True)
+            remove_instance_logs(self.name)
             if self._dir is not None and self._dir.exists():
-                shutil.rmtree(self._dir, onexc=_make_writable_and_retry)
+                remove_tree(self._dir)
 
     async def _stop_instance(self) -> None:
         """Kill the container's init (its pid namespace dies with it) and wait for Apptainer's monitor to clean up
@@ -479,64 +442,10 @@ class ApptainerSandbox:
 
     # -- workspace I/O -----------------------------------------------------------------------------------------
 
-    def _relative(self, path: str) -> PurePosixPath:
-        """`path` as a workspace-relative path, rejecting anything that leaves the workspace (`..`, symlinks)."""
+    def _host_workspace(self) -> HostWorkspace:
         if self._workspace is None or self._close_task is not None:
             raise SandboxError("sandbox is not running")
-        pure = PurePosixPath(path)
-        if pure.is_absolute():
-            if not pure.is_relative_to(WORKSPACE):
-                raise PathOutsideWorkspaceError(f"path {path!r} is outside {WORKSPACE}")
-            pure = pure.relative_to(WORKSPACE)
-        root = os.path.realpath(self._workspace)
-        resolved = os.path.realpath(os.path.join(root, pure))
-        if resolved == root:
-            raise PathOutsideWorkspaceError(f"path {path!r} names the workspace itself, not a file in it")
-        if not resolved.startswith(root + os.sep):
-            raise PathOutsideWorkspaceError(f"path {path!r} resolves outside {WORKSPACE} (via '..' or a symlink)")
-        return PurePosixPath(os.path.relpath(resolved, root))
-
-    def _open_dir(self, parts: tuple[str, ...], create: bool) -> int:
-        """Open the workspace subdirectory `parts` without following symlinks, so a link swapped in from inside
-        after `_relative` checked the path cannot redirect host-side I/O outside the workspace."""
-        assert self._workspace is not None
-        fd = os.open(self._workspace, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            for part in parts:
-                if create:
-                    try:
-                        os.mkdir(part, 0o755, dir_fd=fd)
-                        if self._as_root:
-                            os.chown(part, SANDBOX_UID, SANDBOX_UID, dir_fd=fd, follow_symlinks=False)
-                    except FileExistsError:
-                        pass
-                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                os.close(fd)
-                fd = child
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _write(self, rel: PurePosixPath, data: bytes) -> None:
-        dir_fd = self._open_dir(rel.parent.parts, create=True)
-        try:
-            fd = os.open(rel.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
-        with open(fd, "wb") as f:
-            if self._as_root:
-                os.fchown(fd, SANDBOX_UID, SANDBOX_UID)
-            f.write(data)
-
-    def _read(self, rel: PurePosixPath) -> bytes:
-        dir_fd = self._open_dir(rel.parent.parts, create=False)
-        try:
-            fd = os.open(rel.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
-        with open(fd, "rb") as f:
-            return f.read()
+        return HostWorkspace(self._workspace, SANDBOX_UID if self._as_root else None)
 
 
 def _seccomp_profile() -> dict[str, Any]:
@@ -673,6 +582,12 @@ def _instance_logs(name: str) -> list[Path]:
     ]
 
 
+def remove_instance_logs(name: str) -> None:
+    """Remove Apptainer's log files of this user's (stopped) instance `name`, which outlive the instance."""
+    for log in _instance_logs(name):
+        log.unlink(missing_ok=True)
+
+
 def _kill_session(sid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(sid, signal.SIGKILL)
@@ -740,10 +655,3 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
-
-
-def _make_writable_and_retry(func: Callable[[str], object], path: str, _exc: BaseException) -> None:
-    """rmtree helper: the sandbox may leave read-only directories behind."""
-    parent = os.path.dirname(path)
-    os.chmod(parent, os.stat(parent).st_mode | stat.S_IWUSR | stat.S_IXUSR)
-    func(path)

@@ -91,6 +91,7 @@ class Sandbox(Protocol):
 class ForkableSandbox(Sandbox, Protocol):
     """A sandbox that can start copy-on-write copies of itself (GRPO groups: one init, n samples)."""
 
-    async def fork(self, n: int) -> list[Sandbox]:
-        """n started sandboxes, each seeing this one's workspace as it is now, each writing only to its own copy."""
+    async def fork(self, n: int, *, close: bool = False) -> list[Sandbox]:
+        """n started sandboxes, each seeing this one's workspace as it is now, each writing only to its own copy.
+        `close=True` closes this one on the way (its workspace may then be handed over rather than copied)."""
         ...

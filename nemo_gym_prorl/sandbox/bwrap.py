@@ -32,7 +32,9 @@ a plain copy on ext4), then start n sandboxes whose /workspace is an overlayfs w
 layer and an upper dir of their own, mounted inside their outer user namespace (bubblewrap 0.8 has no
 `--overlay`; rootless overlayfs needs Linux >= 5.11). A fork's writes land in its own upper dir, so neither the
 parent nor its siblings see them, and the snapshot, not the parent's workspace, is what forks read: the parent may
-go on or close. The snapshot is removed with the last fork that uses it. A fork's files are only visible inside
+go on or close. `fork(n, close=True)`, for a GRPO group whose init sandbox has no further use, closes the parent
+first and moves its workspace into the snapshot instead of copying it: one rename, where a copy costs a file
+creation per file. The snapshot is removed with the last fork that uses it. A fork's files are only visible inside
 its own mount namespace, so its `read_file`/`write_file` go through the same helper as `exec()`.
 """
 
@@ -48,9 +50,8 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Any, Self
+from typing import Any
 
 from nemo_gym_prorl.sandbox.base import (
     WORKSPACE,
@@ -59,6 +60,7 @@ from nemo_gym_prorl.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
+from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle
 from nemo_gym_prorl.sandbox.limits import (
     CGROUP_PREFIX,
     OutputCap,
@@ -69,6 +71,7 @@ from nemo_gym_prorl.sandbox.limits import (
 )
 from nemo_gym_prorl.sandbox.pty_shell import DEFAULT_MAX_DRAINED_BYTES, PtyShell, _poll_until
 from nemo_gym_prorl.sandbox.seccomp import bpf_program
+from nemo_gym_prorl.sandbox.workspace import HostWorkspace, lexical_relative, remove_tree
 
 CONTROL_DIR = "/.prorl"
 TEMP_PREFIX = CGROUP_PREFIX  # host temp dirs and cgroups share the name "prorl-sbx-*"
@@ -96,7 +99,7 @@ _KILL_WAIT_S = 5.0
 _FILE_IO_TIMEOUT_S = 60.0
 
 
-class BwrapSandbox:
+class BwrapSandbox(SandboxLifecycle):
     """One bubblewrap sandbox holding a persistent shell; see the module docstring for what it isolates."""
 
     def __init__(
@@ -109,10 +112,9 @@ class BwrapSandbox:
         self._root: Path | None = None
         self._cgroup: SandboxCgroup | None = None
         self._shell: PtyShell | None = None
-        self._wall_timer: asyncio.TimerHandle | None = None
-        self._close_task: asyncio.Task[None] | None = None
-        self._expired = False
         self._started = False
+        self._hand_over_to: Path | None = None
+        self._handed_over = False
 
     @property
     def temp_dir(self) -> Path | None:
@@ -161,7 +163,7 @@ class BwrapSandbox:
         except BaseException:
             await self.close()
             raise
-        self._wall_timer = asyncio.get_running_loop().call_later(limits.wall_clock_s, self._expire)
+        self._arm_wall_clock()
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         shell = self._running_shell()
@@ -179,21 +181,24 @@ class BwrapSandbox:
         return result
 
     async def write_file(self, path: str, data: bytes) -> None:
-        rel = self._relative(path)
-        if self._snapshot is None:
-            await asyncio.to_thread(self._write, rel, data)
+        host = self._host_workspace()
+        if host is not None:
+            await asyncio.to_thread(host.write, path, data)
         else:
-            await self._join_file_io("write", rel, data)
+            await self._join_file_io("write", lexical_relative(path), data)
 
     async def read_file(self, path: str) -> bytes:
-        rel = self._relative(path)
-        if self._snapshot is None:
-            return await asyncio.to_thread(self._read, rel)
-        return await self._join_file_io("read", rel, b"")
+        host = self._host_workspace()
+        if host is not None:
+            return await asyncio.to_thread(host.read, path)
+        return await self._join_file_io("read", lexical_relative(path), b"")
 
-    async def fork(self, n: int) -> list[BwrapSandbox]:
+    async def fork(self, n: int, *, close: bool = False) -> list[BwrapSandbox]:
         """n started sandboxes, each with a copy-on-write copy of this one's workspace as it is now (and this
-        one's spec). Closing this sandbox does not affect them. Start them all or none."""
+        one's spec). Closing this sandbox does not affect them. Start them all or none.
+
+        `close=True`: close this sandbox first (whatever happens next) and hand its workspace to the forks as it
+        is, moved instead of copied (a fork's own workspace, an overlay, is still copied)."""
         if n < 1:
             raise ValueError("fork needs n >= 1")
         self._running_shell()
@@ -205,7 +210,14 @@ class BwrapSandbox:
             raise
         snapshot.acquire()  # held by this call until the forks hold it
         try:
-            await self._copy_workspace_to(snapshot.path)
+            if close and self._snapshot is None:
+                self._hand_over_to = snapshot.path
+            else:
+                await self._copy_workspace_to(snapshot.path)
+            if close:
+                await self.close()
+                if self._hand_over_to is not None and not self._handed_over:
+                    raise SandboxError("the sandbox closed without handing its workspace over")
             forks = [BwrapSandbox(self.spec, bwrap=self._bwrap, _snapshot=snapshot) for _ in range(n)]
             try:
                 results = await asyncio.gather(*(f.start() for f in forks), return_exceptions=True)
@@ -219,19 +231,6 @@ class BwrapSandbox:
         finally:
             if snapshot.release():
                 await asyncio.to_thread(snapshot.remove)
-
-    async def close(self) -> None:
-        """Kill the sandbox and remove its dirs. Idempotent; finishes even if the caller is cancelled meanwhile."""
-        if self._close_task is None:
-            self._close_task = asyncio.ensure_future(self._close())
-        await asyncio.shield(self._close_task)
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     # -- start -------------------------------------------------------------------------------------------------
 
@@ -400,35 +399,27 @@ class BwrapSandbox:
     # -- close -------------------------------------------------------------------------------------------------
 
     def _running_shell(self) -> PtyShell:
-        if self._close_task is not None:
-            raise SandboxError(self._closed_reason())
+        self._check_open()
         if self._shell is None:
             raise SandboxError("sandbox is not started")
         return self._shell
 
-    def _expire(self) -> None:
-        self._expired = True
-        if self._close_task is None:
-            self._close_task = asyncio.ensure_future(self._close())
-
-    def _closed_reason(self) -> str:
-        if self._expired:
-            return f"sandbox killed: wall-clock limit of {self.spec.limits.wall_clock_s:g}s reached"
-        return "sandbox is closed"
-
     async def _close(self) -> None:
-        if self._wall_timer is not None:
-            self._wall_timer.cancel()
+        killed = False
         try:
             if self._shell is not None:
                 await self._shell.close()
+            killed = True
         finally:
             try:
                 if self._cgroup is not None:
                     await self._remove_cgroup(self._cgroup)
+                if killed and self._hand_over_to is not None and self._root is not None:  # nothing inside runs now
+                    await asyncio.to_thread(os.rename, self._root / "workspace", self._hand_over_to)
+                    self._handed_over = True
             finally:
                 if self._root is not None and self._root.exists():
-                    await asyncio.to_thread(shutil.rmtree, self._root, onexc=_make_writable_and_retry)
+                    await asyncio.to_thread(remove_tree, self._root)
                 if self._snapshot is not None and self._started and self._snapshot.release():
                     await asyncio.to_thread(self._snapshot.remove)
 
@@ -445,74 +436,14 @@ class BwrapSandbox:
 
     # -- host-side file I/O (plain workspace) ------------------------------------------------------------------
 
-    def _relative(self, path: str) -> PurePosixPath:
-        """`path` as a workspace-relative path, rejecting anything that leaves the workspace (`..`, symlinks).
-        Symlinks are resolved here for a plain workspace and by the helper, inside the sandbox, for a fork."""
+    def _host_workspace(self) -> HostWorkspace | None:
+        """The workspace as a host directory; None for a fork, whose files only its own mount namespace sees (so
+        they go through the join helper, which resolves symlinks inside)."""
         if self._root is None or self._close_task is not None:
             raise SandboxError("sandbox is not running")
-        pure = PurePosixPath(path)
-        if pure.is_absolute():
-            if not pure.is_relative_to(WORKSPACE):
-                raise PathOutsideWorkspaceError(f"path {path!r} is outside {WORKSPACE}")
-            pure = pure.relative_to(WORKSPACE)
         if self._snapshot is not None:
-            joined = PurePosixPath(os.path.normpath(f"{WORKSPACE}/{pure}"))
-            if joined == PurePosixPath(WORKSPACE):
-                raise PathOutsideWorkspaceError(f"path {path!r} names the workspace itself, not a file in it")
-            if not joined.is_relative_to(WORKSPACE):
-                raise PathOutsideWorkspaceError(f"path {path!r} resolves outside {WORKSPACE} (via '..')")
-            return joined.relative_to(WORKSPACE)
-        workspace = self.workspace
-        assert workspace is not None
-        root = os.path.realpath(workspace)
-        resolved = os.path.realpath(os.path.join(root, pure))
-        if resolved == root:
-            raise PathOutsideWorkspaceError(f"path {path!r} names the workspace itself, not a file in it")
-        if not resolved.startswith(root + os.sep):
-            raise PathOutsideWorkspaceError(f"path {path!r} resolves outside {WORKSPACE} (via '..' or a symlink)")
-        return PurePosixPath(os.path.relpath(resolved, root))
-
-    def _open_dir(self, parts: tuple[str, ...], create: bool) -> int:
-        """Open the workspace subdirectory `parts` without following symlinks, so a link swapped in by the
-        sandbox after `_relative` checked the path cannot redirect host-side I/O outside the workspace."""
-        assert self.workspace is not None
-        fd = os.open(self.workspace, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            for part in parts:
-                if create:
-                    try:
-                        os.mkdir(part, 0o755, dir_fd=fd)
-                        if self._as_root:
-                            os.chown(part, _NOBODY, _NOBODY, dir_fd=fd, follow_symlinks=False)
-                    except FileExistsError:
-                        pass
-                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                os.close(fd)
-                fd = child
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _write(self, rel: PurePosixPath, data: bytes) -> None:
-        dir_fd = self._open_dir(rel.parent.parts, create=True)
-        try:
-            fd = os.open(rel.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
-        with open(fd, "wb") as f:
-            if self._as_root:
-                os.fchown(fd, _NOBODY, _NOBODY)
-            f.write(data)
-
-    def _read(self, rel: PurePosixPath) -> bytes:
-        dir_fd = self._open_dir(rel.parent.parts, create=False)
-        try:
-            fd = os.open(rel.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
-        with open(fd, "rb") as f:
-            return f.read()
+            return None
+        return HostWorkspace(self._root / "workspace", _NOBODY if self._as_root else None)
 
 
 class _Snapshot:
@@ -537,7 +468,7 @@ class _Snapshot:
 
     def remove(self) -> None:
         if self.root.exists():
-            shutil.rmtree(self.root, onexc=_make_writable_and_retry)
+            remove_tree(self.root)
 
 
 _OWNER_FILE = ".owner"
@@ -578,7 +509,7 @@ def sweep_orphans(temp_root: str | None = None) -> list[str]:
         cgroup.kill()
         cgroup.remove_now()
         with contextlib.suppress(FileNotFoundError):  # another process may be sweeping it too
-            shutil.rmtree(entry.path, onexc=_make_writable_and_retry)
+            remove_tree(entry.path)
         removed.append(entry.path)
     return removed
 
@@ -740,10 +671,3 @@ def _hidden_etc_paths() -> tuple[str, ...]:
             hidden.append(path)
         dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in hidden]
     return tuple(sorted(set(hidden)))
-
-
-def _make_writable_and_retry(func: Callable[[str], object], path: str, _exc: BaseException) -> None:
-    """rmtree helper: the sandbox may leave read-only directories behind (matters when not running as root)."""
-    parent = os.path.dirname(path)
-    os.chmod(parent, os.stat(parent).st_mode | stat.S_IWUSR | stat.S_IXUSR)
-    func(path)

@@ -30,6 +30,7 @@ host temp dir for `local`); paths under /workspace are mapped onto it. Every com
 variable `PRORL_SANDBOX_ID`, and `close()` kills whatever process still carries it before the provider closes
 the sandbox, so background processes (the python tool's interpreter, say) do not outlive it even on `local`.
 Isolation, network and resource limits are whatever the provider enforces: Gym's `local` enforces none.
+`gym_apptainer_config()` is the config on which Gym's own `apptainer` provider runs here, with our Apptainer.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import os
 import posixpath
 import secrets
 import shlex
@@ -47,7 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path, PurePosixPath
-from typing import Any, Self
+from typing import Any
 
 from nemo_gym.sandbox import (
     SandboxCreateError,
@@ -61,16 +63,18 @@ from nemo_gym.sandbox import (
 from nemo_gym.sandbox import SandboxSpec as GymSandboxSpec
 
 from nemo_gym_prorl.sandbox import open_sandbox, register_backend
+from nemo_gym_prorl.sandbox.apptainer import find_apptainer
 from nemo_gym_prorl.sandbox.base import (
     WORKSPACE,
     BindMount,
     ExecResult,
-    PathOutsideWorkspaceError,
     Sandbox,
     SandboxError,
     SandboxLimits,
     SandboxSpec,
 )
+from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle
+from nemo_gym_prorl.sandbox.workspace import lexical_relative
 
 LOGGER = logging.getLogger(__name__)
 
@@ -307,7 +311,7 @@ done
 _PROBE_SCRIPT = 'if [ -d "$1" ]; then echo dir; elif [ -e "$1" ]; then echo other; else echo missing; fi'
 
 
-class GymProviderSandbox:
+class GymProviderSandbox(SandboxLifecycle):
     """Our `Sandbox` over a NeMo Gym provider; see the module docstring for what the emulated shell keeps."""
 
     def __init__(
@@ -327,9 +331,6 @@ class GymProviderSandbox:
         self._handle: SandboxHandle | None = None
         self._run_lock = asyncio.Lock()
         self._made_dirs: set[str] = set()
-        self._wall_timer: asyncio.TimerHandle | None = None
-        self._close_task: asyncio.Task[None] | None = None
-        self._expired = False
 
     async def start(self) -> None:
         if self._handle is not None or self._close_task is not None:
@@ -366,7 +367,7 @@ class GymProviderSandbox:
             if isinstance(e, Exception) and not isinstance(e, SandboxError):
                 raise SandboxError(f"NeMo Gym sandbox did not start: {type(e).__name__}: {e}") from e
             raise
-        self._wall_timer = asyncio.get_running_loop().call_later(self.spec.limits.wall_clock_s, self._expire)
+        self._arm_wall_clock()
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         async with self._run_lock:
@@ -423,31 +424,13 @@ class GymProviderSandbox:
                 raise OSError(errno.EIO, f"cannot read: {e}", path) from e
             return await asyncio.to_thread(target.read_bytes)
 
-    async def close(self) -> None:
-        """Kill what this sandbox started, close it at the provider, release the provider. Idempotent."""
-        if self._close_task is None:
-            self._close_task = asyncio.ensure_future(self._close())
-        await asyncio.shield(self._close_task)
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
     # -- internals ---------------------------------------------------------------------------------------------
 
     def _state_dir(self) -> str:
         return f"{self.workdir}/{_STATE_DIR}"
 
     def _live(self) -> str:
-        if self._close_task is not None:
-            raise SandboxError(
-                f"sandbox killed: wall-clock limit of {self.spec.limits.wall_clock_s:g}s reached"
-                if self._expired
-                else "sandbox is closed"
-            )
+        self._check_open()
         if self._handle is None or self.workdir is None:
             raise SandboxError("sandbox is not started")
         return self.workdir
@@ -455,18 +438,7 @@ class GymProviderSandbox:
     def _inside(self, path: str) -> str:
         """`path` (relative to the workspace, or absolute under it or under /workspace) as an absolute path."""
         workdir = self._live()
-        pure = PurePosixPath(path)
-        if pure.is_absolute():
-            for root in (workdir, WORKSPACE):
-                if pure.is_relative_to(root):
-                    pure = pure.relative_to(root)
-                    break
-            else:
-                raise PathOutsideWorkspaceError(f"path {path!r} is outside the workspace {workdir}")
-        relative = posixpath.normpath(str(pure))
-        if relative in (".", "..") or relative.startswith("../"):
-            raise PathOutsideWorkspaceError(f"path {path!r} does not name a file inside the workspace {workdir}")
-        return f"{workdir}/{relative}"
+        return f"{workdir}/{lexical_relative(path, workdir, aliases=(WORKSPACE,))}"
 
     async def _exec(self, command: str, timeout: float) -> ExecResult:
         started = asyncio.get_running_loop().time()
@@ -501,14 +473,8 @@ class GymProviderSandbox:
         assert self._provider is not None and self._handle is not None
         return self._provider, self._handle
 
-    def _expire(self) -> None:
-        self._expired = True
-        if self._close_task is None:
-            self._close_task = asyncio.ensure_future(self._close())
-
     async def _close(self) -> None:
-        if self._wall_timer is not None:
-            self._wall_timer.cancel()
+        """Kill what this sandbox started, close it at the provider, release the provider."""
         provider, handle = self._provider, self._handle
         self._handle = None
         try:
@@ -544,3 +510,22 @@ def register_gym_backends() -> list[str]:
     for name in names:
         register_backend(name, partial(GymProviderSandbox, provider=name.removeprefix("gym:")))
     return names
+
+
+def gym_apptainer_config(**sections: Mapping[str, Any]) -> dict[str, Any]:
+    """A provider config (`{"apptainer": {...}}`) on which NeMo Gym's own `apptainer` provider runs here: our
+    Apptainer (`find_apptainer`, the binary our backend uses) and, as root, `--userns` on `instance start`.
+
+    As root Gym starts instances privileged, which fails on this host (the starter asks for a capability the host
+    withholds: "Requesting capability set ... while permitted capability set is ..."); in a user namespace the
+    instance starts and Gym's `exec` joins it. (`--no-privs` on both `instance start` and `exec` works too.)
+    `sections` (`create`, `exec`, `probe`) are merged over these settings. Gym's `close` stops the instance but
+    leaves Apptainer's log files of it: `apptainer.remove_instance_logs(handle.sandbox_id)` removes them."""
+    binary = find_apptainer()
+    if os.path.basename(binary) != "apptainer":
+        raise SandboxError(f"NeMo Gym runs `<bin_path>/apptainer`, so it cannot use {binary}")
+    create = {"extra_start_args": ["--userns"] if os.geteuid() == 0 else []}
+    config: dict[str, Any] = {"bin_path": os.path.dirname(binary), "create": create}
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    return {"apptainer": config}

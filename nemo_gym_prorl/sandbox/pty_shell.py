@@ -297,10 +297,22 @@ class PtyShell:
         self._detach()
         members = _session_members(proc.pid) - {proc.pid}
         _kill_all(members)
-        await _poll_until(lambda: self._reap(proc) or not any(_exists(p) for p in members), _KILL_WAIT_S)
-        if not self._reap(proc):
-            _kill_all({proc.pid} | _session_members(proc.pid))
-            await _poll_until(lambda: self._reap(proc), _KILL_WAIT_S)
+        loop = asyncio.get_running_loop()
+        leader_exited = loop.create_future()  # a sandbox's leader (bwrap) exits once its members are gone
+        pidfd = os.pidfd_open(proc.pid) if proc.popen.returncode is None else None  # not reaped: the pid is its own
+        if pidfd is not None:
+            loop.add_reader(pidfd, lambda: leader_exited.done() or leader_exited.set_result(None))
+        try:
+            await _poll_until(
+                lambda: self._reap(proc) or not any(_exists(p) for p in members), _KILL_WAIT_S, leader_exited
+            )
+            if not self._reap(proc):
+                _kill_all({proc.pid} | _session_members(proc.pid))
+                await _poll_until(lambda: self._reap(proc), _KILL_WAIT_S, leader_exited)
+        finally:
+            if pidfd is not None:
+                loop.remove_reader(pidfd)
+                os.close(pidfd)
         os.close(proc.fd)
         self._proc = None
 
@@ -431,11 +443,15 @@ def _exists(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
 
 
-async def _poll_until(predicate: Callable[[], bool], timeout: float) -> bool:
-    """Reaping is not observable as an event for processes that are not our children: poll, within a deadline."""
+async def _poll_until(predicate: Callable[[], bool], timeout: float, wake: asyncio.Future[None] | None = None) -> bool:
+    """Reaping is not observable as an event for processes that are not our children: poll, within a deadline.
+    `wake`, once done, checks again at once (an event that often makes the predicate true, like a child's exit)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
         if asyncio.get_running_loop().time() >= deadline:
             return False
-        await asyncio.sleep(_POLL_S)
+        if wake is None or wake.done():
+            await asyncio.sleep(_POLL_S)
+        else:
+            await asyncio.wait([wake], timeout=_POLL_S)
     return True

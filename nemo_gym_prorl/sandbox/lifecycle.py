@@ -1,0 +1,66 @@
+"""How every sandbox ends: once, whoever ends it (`close()`, leaving `async with`, the wall-clock limit), and
+completely even when the caller is cancelled meanwhile.
+
+A backend subclasses `SandboxLifecycle`, implements `start()` and `_close()` (kill everything, remove what
+`start()` made; also after a start that failed half-way), calls `_arm_wall_clock()` once started and
+`_check_open()` before each operation.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from typing import Self
+
+from nemo_gym_prorl.sandbox.base import SandboxError, SandboxSpec
+
+
+class SandboxLifecycle(abc.ABC):
+    spec: SandboxSpec
+    _close_task: asyncio.Task[None] | None = None
+    _wall_timer: asyncio.TimerHandle | None = None
+    _expired = False
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _close(self) -> None:
+        """Kill everything the sandbox runs and remove what `start()` made, however far it got."""
+
+    async def close(self) -> None:
+        """Tear the sandbox down. Idempotent; finishes even if the caller is cancelled meanwhile."""
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._close_once())
+        await asyncio.shield(self._close_task)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _arm_wall_clock(self) -> None:
+        """Close the sandbox when `spec.limits.wall_clock_s` has passed from now."""
+        self._wall_timer = asyncio.get_running_loop().call_later(self.spec.limits.wall_clock_s, self._expire)
+
+    def _check_open(self) -> None:
+        """SandboxError if the sandbox is closing or closed, saying why."""
+        if self._close_task is not None:
+            raise SandboxError(self._closed_reason())
+
+    def _closed_reason(self) -> str:
+        if self._expired:
+            return f"sandbox killed: wall-clock limit of {self.spec.limits.wall_clock_s:g}s reached"
+        return "sandbox is closed"
+
+    def _expire(self) -> None:
+        self._expired = True
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._close_once())
+
+    async def _close_once(self) -> None:
+        if self._wall_timer is not None:
+            self._wall_timer.cancel()
+        await self._close()

@@ -1,0 +1,68 @@
+"""What the sandbox and shell tests use on the host: temp dirs a sandbox can reach, process trees, an Apptainer
+sandbox's processes, processes by name, waiting to see one."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+
+@contextlib.contextmanager
+def reachable_temp_dir(mode: int = 0o755) -> Iterator[Path]:
+    """A temp dir the sandboxes' host uid can reach (with `mode` 0o777 also write to: pytest's tmp_path lives under a
+    0700 dir), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="prorl-test-"))
+    path.chmod(mode)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+def process_tree(pid: int | None) -> list[psutil.Process]:
+    assert pid is not None
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def apptainer_processes(sandbox: Any) -> list[psutil.Process]:
+    """Every host process of an `ApptainerSandbox`: Apptainer's monitor, the shell's Apptainer parent and what runs
+    under it, and whatever lives in the instance's pid namespace (processes that entered it are not the init's
+    children)."""
+    init = psutil.Process(sandbox.instance_pid)
+    namespace = os.readlink(f"/proc/{init.pid}/ns/pid")
+    inside = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{process.pid}/ns/pid") == namespace:
+                inside.append(process)
+    return [init.parent(), *process_tree(sandbox.pid), *inside]
+
+
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def processes_named(name: str) -> list[psutil.Process]:
+    """Processes whose argv[0] is `name`."""
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if process.cmdline()[:1] == [name]:
+                found.append(process)
+    return found
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait for a condition we can only observe by looking (a process appearing)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
