@@ -98,7 +98,7 @@ def create_standin_app(
             "logprobs": {"token_logprobs": [-0.1] * len(ids)},
             "finish_reason": "stop",
         }
-        return {"id": "cmpl-standin", "object": "text_completion", "choices": [choice], "prompt_token_ids": prompt}
+        return {"id": "cmpl-standin", "object": "text_completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice], "prompt_token_ids": prompt}
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +128,7 @@ def create_standin_app(
                 message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
                 finish_reason = "tool_calls"
         choice = {"index": 0, "message": message, "finish_reason": finish_reason}
-        return {"id": "chatcmpl-standin", "object": "chat.completion", "choices": [choice]}
+        return {"id": "chatcmpl-standin", "object": "chat.completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice]}
 
     return app
 

@@ -1,0 +1,574 @@
+"""Rollout throughput, our service vs NeMo Gym's own simple_agent, with only the orchestrator different.
+
+Both sides run the same 3-tool-call task against the SAME processes: one Gym resources server (`prorl_bench`:
+an `add` tool that costs nothing, no sandbox) started by `gym env start`, and one deterministic instant stand-in
+model (three Hermes tool calls, then the answer) — so what differs is what drives them:
+
+- service: `run_service` (its pipeline at concurrency N: N rollouts in init+run, N/4 more in verify), the task a
+  `type: gym` YAML pointing at the resources server, chat completions + Hermes on the stand-in; the jobs (one per
+  row, `--group` samples each) submitted over HTTP with `RolloutClient`.
+- gym: `gym eval run --no-serve --concurrency N --num-repeats G`, as Gym runs it: its collector → the legacy_agent
+  environment server → simple_agent → Gym's vllm_model → the stand-in, with simple_agent calling the tool and
+  /verify on the resources server.
+
+The rollout phase is measured by the resources server itself, on the host's monotonic clock: from the first
+/seed_session it receives to the end of its last /verify. So neither side's start-up counts (the gym CLI's own
+start-up, our service's), and both are timed by the same clock at the same place. CPU is sampled per process over
+that phase:
+
+- orchestrator CPU per rollout = CPU seconds, during the phase, of the processes that orchestrate / rollouts.
+  service: this process (the service and its HTTP client). gym: the `gym eval run` collector + the legacy_agent
+  environment server + simple_agent + vllm_model.
+- the model's and the resources server's CPU per rollout are printed beside it: the same work on both sides.
+
+Checks: both sides finish every rollout, with the same rewards, and the resources server served 3 tool calls and
+one verify per rollout for each. The last line is the headline: the throughput ratio at each concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any, Self
+
+import httpx
+import psutil
+
+from nemo_gym_prorl.gym import PLUGIN_ROOT
+from nemo_gym_prorl.gym.venvs import ensure_venv_links
+from nemo_gym_prorl.models.launcher import ModelServerProcess
+from nemo_gym_prorl.models.standin import standin_argv
+from nemo_gym_prorl.service.client import RolloutClient
+from nemo_gym_prorl.service.llm_pool import LLMPoolConfig
+from nemo_gym_prorl.service.orchestrator import JobRequest
+from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
+from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.service.serve import run_service
+from nemo_gym_prorl.service.trajectory import Trajectory
+
+GYM = Path(sys.executable).with_name("gym")
+RESOURCES_SERVER = "prorl_bench"
+GYM_AGENT = "prorl_bench_simple_agent"
+READY_DEADLINE_S = 300.0
+STOP_GRACE_S = 30.0
+
+ADD_TOOL = {
+    "type": "function",
+    "name": "add",
+    "description": 'Add two numbers; returns {"sum": a + b}.',
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+    "strict": False,
+}
+
+
+def _hermes_add(a: int, b: int) -> str:
+    return f'<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+
+
+# The stand-in's replies, by assistant turn: three tool calls, then the answer.
+SCRIPT = [_hermes_add(1, 2), _hermes_add(3, 3), _hermes_add(6, 4), "The total is \\boxed{10}."]
+TOOL_CALLS_PER_ROLLOUT = 3
+
+
+def bench_row(i: int) -> dict[str, Any]:
+    """A Gym dataset row of the benchmark task (what `prorl_bench`'s data/example.jsonl holds)."""
+    return {
+        "responses_create_params": {
+            "input": [
+                {
+                    "role": "system",
+                    "content": "Add numbers with the add tool, one call at a time. Then give the total as \\boxed{N}.",
+                },
+                {"role": "user", "content": "What is 1 + 2 + 3 + 4?"},
+            ],
+            "tools": [ADD_TOOL],
+        },
+        "id": f"bench-{i}",
+        "expected_answer": "10",
+    }
+
+
+def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def gym_task_yaml(path: Path, rows_path: Path, resources_server_url: str, max_turns: int = len(SCRIPT)) -> Path:
+    """A `type: gym` task for our service: these rows, this resources server, Hermes tool calls."""
+    path.write_text(
+        f"name: bench/{RESOURCES_SERVER}\n"
+        "type: gym\n"
+        f"dataset: {{path: {rows_path}, id_key: id}}\n"
+        "tool_call_format: hermes\n"
+        f"max_turns: {max_turns}\n"
+        f"resources_server_url: {resources_server_url}\n"
+    )
+    return path
+
+
+# -- gym processes ----------------------------------------------------------------------------------------------
+
+
+def link_venvs(root: Path) -> Path:
+    """Venv links for every server Gym starts here (ours, Gym's, and `prorl_bench`) under `root`."""
+    ensure_venv_links(root)
+    link = root / "resources_servers" / RESOURCES_SERVER / ".venv"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.is_symlink():
+        link.symlink_to(Path(sys.prefix).resolve(), target_is_directory=True)
+    return root
+
+
+def gym_environ(venvs_dir: Path) -> dict[str, str]:
+    return os.environ | {
+        "PATH": f"{GYM.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "NEMO_GYM_EXTRA_ROOTS": str(PLUGIN_ROOT),
+        "PRORL_GYM_VENVS": str(venvs_dir),  # env.yaml's uv_venv_dir
+        "RAY_AUTH_MODE": "disabled",  # no token file under ~/.ray
+    }
+
+
+def session_members(sid: int) -> set[int]:
+    members = set()
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if os.getsid(pid) == sid:
+                members.add(pid)
+    return members
+
+
+async def kill_session(sid: int) -> None:
+    """SIGKILL whatever is left in session `sid` (a gym command's servers, Ray), then wait until it is gone."""
+    deadline = time.monotonic() + 10
+    while members := session_members(sid):
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes of session {sid} survive SIGKILL: {sorted(members)}")
+        await asyncio.sleep(0.1)
+
+
+def _sigint_default() -> None:
+    """A child of a background job inherits SIGINT ignored, and gym would then ignore our stop signal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+async def run_gym(
+    args: list[str], environ: dict[str, str], cwd: Path, timeout_s: float, on_start: Callable[[int], None] | None = None
+) -> str:
+    """Run one `gym` command in its own session (`on_start` gets its pid); its output. Nothing of it is left after."""
+    proc = await asyncio.create_subprocess_exec(
+        GYM, *args, cwd=cwd, env=environ, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True, preexec_fn=_sigint_default,
+    )  # fmt: skip
+    if on_start is not None:
+        on_start(proc.pid)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    finally:
+        await kill_session(proc.pid)
+        await proc.wait()
+    text = out.decode(errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"gym {' '.join(args)} exited {proc.returncode}:\n{text[-6000:]}")
+    return text
+
+
+@dataclass
+class GymEnv:
+    head: str
+    head_port: int
+    pid: int
+    log: Path
+    servers: dict[str, dict[str, Any]]  # process name -> Gym's /server_instances entry (url, pid, ...)
+
+
+@contextlib.asynccontextmanager
+async def gym_env_start(
+    args: list[str], environ: dict[str, str], cwd: Path, log: Path, head_port: int | None = None
+) -> AsyncIterator[GymEnv]:
+    """`gym env start` in its own session, yielded once every server is ready. On exit it gets SIGINT (its servers
+    and Ray shut down), then whatever is left of its session is killed."""
+    head_port = head_port or free_port()
+    with log.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(
+            GYM, "env", "start", *args, f"+head_server.port={head_port}", f"hydra.run.dir={cwd / 'hydra-env-start'}",
+            cwd=cwd, env=environ, stdout=log_file, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_sigint_default,
+        )  # fmt: skip
+    head = f"http://127.0.0.1:{head_port}"
+    try:
+        await _wait_until_ready(proc, f"{head}/health", log)
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            instances = (await client.get(f"{head}/server_instances")).json()
+        yield GymEnv(head, head_port, proc.pid, log, {i["process_name"]: i for i in instances})
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+        await kill_session(proc.pid)
+        await proc.wait()
+
+
+async def _wait_until_ready(proc: asyncio.subprocess.Process, health_url: str, log: Path) -> None:
+    """Poll the head server's health (503 until every server and the model endpoint answer) within a deadline."""
+    deadline = time.monotonic() + READY_DEADLINE_S
+    async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
+        while True:
+            if proc.returncode is not None:
+                raise RuntimeError(f"gym env start exited {proc.returncode}:\n{log.read_text()[-6000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(health_url)).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gym servers not ready in {READY_DEADLINE_S:g}s:\n{log.read_text()[-6000:]}")
+            await asyncio.sleep(0.5)
+
+
+def free_port() -> int:
+    """A free port from the kernel's ephemeral range, outside Gym's own server port range (10001-20000)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- CPU by role ------------------------------------------------------------------------------------------------
+
+
+class CpuSampler:
+    """CPU seconds (user + system) of processes, by role, sampled on a thread; `between(t0, t1)` interpolates, so
+    a phase known only afterwards (from the resources server's clock) can be cut out of the samples. The sampler's
+    own CPU is left out of the role that holds this process."""
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        self.interval_s = interval_s
+        self._roles: dict[str, list[psutil.Process]] = {}
+        self._own_role: str | None = None
+        self._samples: list[tuple[float, dict[str, float]]] = []
+        self._sampled = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-sampler", daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def watch(self, role: str, *pids: int, tree: bool = True) -> None:
+        """Count `pids` as `role`, with the descendants they have now when `tree`."""
+        procs = []
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                procs += [proc, *(proc.children(recursive=True) if tree else [])]
+                if pid == os.getpid():
+                    self._own_role = role
+        with self._sampled:
+            self._roles[role] = [*self._roles.get(role, []), *procs]
+
+    @staticmethod
+    def _cpu(procs: list[psutil.Process]) -> float:
+        total = 0.0
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):  # gone: its CPU stops counting (none of ours ends mid-phase)
+                times = proc.cpu_times()
+                total += times.user + times.system
+        return total
+
+    def _loop(self) -> None:
+        while True:
+            with self._sampled:
+                cpu = {role: self._cpu(procs) for role, procs in self._roles.items()}
+                if self._own_role is not None:
+                    cpu[self._own_role] -= time.thread_time()  # this thread's CPU, sampling included
+                self._samples.append((time.monotonic(), cpu))
+                self._sampled.notify_all()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def _at(self, role: str, t: float) -> float:
+        points = [(at, cpu[role]) for at, cpu in self._samples if role in cpu]
+        if not points:
+            return 0.0
+        before = [p for p in points if p[0] <= t] or points[:1]
+        after = [p for p in points if p[0] >= t] or points[-1:]
+        (t0, c0), (t1, c1) = before[-1], after[0]
+        return c0 if t1 <= t0 else c0 + (c1 - c0) * (t - t0) / (t1 - t0)
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds by role from `t0` to `t1` (monotonic, both past): waits for the first sample after `t1`."""
+        with self._sampled:
+            if not self._sampled.wait_for(lambda: self._samples and self._samples[-1][0] >= t1, timeout=10):
+                raise RuntimeError("the CPU sampler stopped sampling")
+            return {role: self._at(role, t1) - self._at(role, t0) for role in self._roles}
+
+
+# -- one side at one concurrency --------------------------------------------------------------------------------
+
+
+@dataclass
+class SideResult:
+    side: str
+    concurrency: int
+    rollouts: int
+    ok: int
+    rewards: Counter[float]
+    phase_s: float
+    tool_calls: int  # what the resources server served
+    verifies: int
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def rollouts_per_s(self) -> float:
+        return self.rollouts / self.phase_s
+
+    def cpu_ms_per_rollout(self, role: str) -> float:
+        return 1000 * self.cpu_s.get(role, 0.0) / self.rollouts
+
+
+class ResourcesServerStats:
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    async def reset(self) -> None:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            (await client.post(f"{self.url}/bench/reset")).raise_for_status()
+
+    async def read(self) -> dict[str, Any]:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            response = await client.get(f"{self.url}/bench/stats")
+            response.raise_for_status()
+            return response.json()
+
+
+def service_config(model_url: str, task_yaml: Path, concurrency: int, store: Path, max_n: int) -> ServiceConfig:
+    pipeline = PipelineConfig(
+        init=StageConfig(workers=concurrency, deadline_s=600),
+        run=StageConfig(workers=concurrency, deadline_s=3600),
+        eval=StageConfig(workers=max(1, concurrency // 4), deadline_s=600),
+        max_live_sandboxes=concurrency,
+    )
+    settings = ServiceSettings(
+        port=0, tasks=[str(task_yaml)], store=store, pipeline=pipeline, max_n=max_n,
+        llm_pool=LLMPoolConfig(max_connections=concurrency + 64, health_interval_s=0),
+    )  # fmt: skip
+    model = ModelConfig(
+        kind="remote", addresses=[model_url], served_model_name="standin", tool_call_format="hermes",
+        generation_mode="chat",
+    )  # fmt: skip
+    return ServiceConfig(service=settings, model=model)
+
+
+async def run_service_side(
+    model_url: str, resources: ResourcesServerStats, task_yaml: Path, rows: list[dict[str, Any]], group: int,
+    concurrency: int, sampler: CpuSampler, tmp: Path,
+) -> SideResult:  # fmt: skip
+    config = service_config(model_url, task_yaml, concurrency, tmp / f"jobs-{concurrency}.db", group)
+    async with run_service(config) as service:
+        await resources.reset()
+        # The whole batch at once, as a trainer hands it over. The results are durable, so waiting on the jobs in
+        # turn (one stream at a time, on a connection of its own) misses nothing. (A connection the submitting
+        # client left idle for longer than the server's keep-alive can be closed under a request reusing it.)
+        async with RolloutClient(service.url, timeout_s=600) as client:
+            jobs = await asyncio.gather(*(client.submit(JobRequest(instance=row, n=group)) for row in rows))
+        async with RolloutClient(service.url, timeout_s=600) as client:
+            trajectories = [t for job in jobs for t in (await client.wait(job)).results]
+    stats = await resources.read()
+    return await _side_result("service", concurrency, stats, sampler, trajectories_summary(trajectories))
+
+
+def trajectories_summary(trajectories: list[Trajectory]) -> tuple[int, int, Counter[float], list[str]]:
+    errors = [f"{t.critical_error}: {t.error}" for t in trajectories if t.critical_error]
+    return len(trajectories), len(trajectories) - len(errors), Counter(t.reward for t in trajectories), errors
+
+
+async def run_gym_side(
+    env: GymEnv, resources: ResourcesServerStats, rows_path: Path, n_rows: int, group: int, concurrency: int,
+    sampler: CpuSampler, environ: dict[str, str], tmp: Path,
+) -> SideResult:  # fmt: skip
+    output = tmp / f"gym-{concurrency}" / "rollouts.jsonl"
+    await resources.reset()
+    args = [
+        "eval", "run", "--no-serve", "--agent", GYM_AGENT, "--input", str(rows_path), "--output", str(output),
+        "--num-repeats", str(group), "--concurrency", str(concurrency), f"+head_server.port={env.head_port}",
+        f"hydra.run.dir={tmp / 'hydra-eval'}",
+    ]  # fmt: skip
+
+    def watch_collector(pid: int) -> None:
+        sampler.watch("gym collector", pid, tree=False)
+
+    try:
+        await run_gym(args, environ, tmp, timeout_s=1800, on_start=watch_collector)
+    except RuntimeError as e:  # what the servers said is in gym env start's log
+        raise RuntimeError(f"{e}\n--- gym env start log:\n{env.log.read_text()[-6000:]}") from None
+    results = [json.loads(line) for line in output.open()] if output.exists() else []
+    failures = output.with_name("rollouts_failures.jsonl")
+    errors = [line[:300] for line in failures.open()] if failures.exists() else []
+    summary = (n_rows * group, len(results), Counter(float(r["reward"]) for r in results), errors)
+    return await _side_result("gym", concurrency, await resources.read(), sampler, summary)
+
+
+async def _side_result(
+    side: str, concurrency: int, stats: dict[str, Any], sampler: CpuSampler,
+    summary: tuple[int, int, Counter[float], list[str]],
+) -> SideResult:  # fmt: skip
+    rollouts, ok, rewards, errors = summary
+    t0, t1 = stats["first_seed_at"], stats["last_verify_at"]
+    if t0 is None or t1 is None:
+        raise RuntimeError(f"{side}: the resources server saw no complete rollout ({stats}); errors: {errors[:3]}")
+    return SideResult(
+        side, concurrency, rollouts, ok, rewards, t1 - t0, stats["tool_calls"], stats["verifies"],
+        await asyncio.to_thread(sampler.between, t0, t1), errors,
+    )  # fmt: skip
+
+
+# -- the benchmark ----------------------------------------------------------------------------------------------
+
+GYM_ORCHESTRATOR_ROLES = ("gym collector", "gym environment server", "gym simple_agent", "gym vllm_model")
+
+
+def orchestrator_cpu_ms(result: SideResult) -> float:
+    roles = ("service",) if result.side == "service" else GYM_ORCHESTRATOR_ROLES
+    return sum(result.cpu_ms_per_rollout(role) for role in roles)
+
+
+def check_same_work(ours: SideResult, gym: SideResult) -> list[str]:
+    problems = []
+    for r in (ours, gym):
+        if r.ok != r.rollouts:
+            problems.append(f"{r.side}: {r.rollouts - r.ok} of {r.rollouts} rollouts failed: {r.errors[:2]}")
+        if r.tool_calls != TOOL_CALLS_PER_ROLLOUT * r.rollouts or r.verifies != r.rollouts:
+            problems.append(
+                f"{r.side}: the resources server served {r.tool_calls} tool calls and {r.verifies} verifies "
+                f"for {r.rollouts} rollouts (expected {TOOL_CALLS_PER_ROLLOUT} and 1 each)"
+            )
+    if ours.rewards != gym.rewards:
+        problems.append(f"rewards differ: service {dict(ours.rewards)} vs gym {dict(gym.rewards)}")
+    return problems
+
+
+def report_level(ours: SideResult, gym: SideResult) -> str:
+    lines = [f"concurrency {ours.concurrency}: {ours.rollouts} rollouts each"]
+    for r in (ours, gym):
+        cpu = {role: r.cpu_ms_per_rollout(role) for role in ("model", "resources server", "other gym processes")}
+        lines.append(
+            f"  {r.side:8s} {r.rollouts_per_s:7.1f} rollouts/s  phase {r.phase_s:6.2f} s  "
+            f"orchestrator CPU {orchestrator_cpu_ms(r):6.1f} ms/rollout  (model {cpu['model']:.1f}, "
+            f"resources server {cpu['resources server']:.1f}, other {cpu['other gym processes']:.1f}; "
+            f"all {sum(r.cpu_s.values()) * 1000 / r.rollouts:.1f})  "
+            f"ok {r.ok}/{r.rollouts}, rewards {dict(sorted(r.rewards.items()))}"
+        )
+    gym_parts = ", ".join(
+        f"{role.removeprefix('gym ')} {gym.cpu_ms_per_rollout(role):.1f}" for role in GYM_ORCHESTRATOR_ROLES
+    )
+    lines.append(f"  gym orchestrator CPU by process (ms/rollout): {gym_parts}")
+    lines.append(f"  ratio: {ours.rollouts_per_s / gym.rollouts_per_s:.2f}x rollouts/s")
+    return "\n".join(lines)
+
+
+async def _run(levels: list[int], rollouts_per_slot: int, max_rollouts: int, group: int, warmup: int) -> None:
+    with TemporaryDirectory(prefix="prorl-bench-throughput-") as tmp_name, CpuSampler() as sampler:
+        tmp = Path(tmp_name)
+        environ = gym_environ(link_venvs(tmp / "venvs"))
+        sampler.watch("service", os.getpid(), tree=False)  # its children are the others
+        async with ModelServerProcess(standin_argv(SCRIPT)) as model:
+            assert model.pid is not None
+            sampler.watch("model", model.pid)
+            start_args = [
+                "--resources-server", RESOURCES_SERVER, "--config", "configs/local_policy_model.yaml",
+                "--model", "standin", "--model-url", model.base_url, "--model-api-key", "dummy",
+            ]  # fmt: skip
+            async with gym_env_start(start_args, environ, tmp, tmp / "env_start.log") as env:
+                roles = {
+                    RESOURCES_SERVER: "resources server", "prorl_bench_environment_server": "gym environment server",
+                    GYM_AGENT: "gym simple_agent", "policy_model": "gym vllm_model",
+                }  # fmt: skip
+                for name, role in roles.items():
+                    sampler.watch(role, env.servers[name]["pid"])
+                server_trees = {p for name in roles for p in _tree(env.servers[name]["pid"])}
+                others = [p for p in session_members(env.pid) if p not in server_trees]  # Ray, gym env start
+                sampler.watch("other gym processes", *others, tree=False)
+                resources = ResourcesServerStats(env.servers[RESOURCES_SERVER]["url"])
+                print(f"gym env up: {', '.join(env.servers)}; stand-in model at {model.base_url}", flush=True)
+
+                async def level(concurrency: int) -> tuple[SideResult, SideResult]:
+                    rollouts = min(rollouts_per_slot * concurrency, max_rollouts)
+                    n_rows = max(1, rollouts // group)
+                    rows = [bench_row(i) for i in range(n_rows)]
+                    rows_path = write_jsonl(tmp / f"rows-{concurrency}.jsonl", rows)
+                    task_yaml = gym_task_yaml(tmp / f"task-{concurrency}.yaml", rows_path, resources.url)
+                    ours = await run_service_side(
+                        model.base_url, resources, task_yaml, rows, group, concurrency, sampler, tmp
+                    )
+                    gym = await run_gym_side(
+                        env, resources, rows_path, n_rows, group, concurrency, sampler, environ, tmp
+                    )
+                    if problems := check_same_work(ours, gym):
+                        raise SystemExit("throughput: the two sides did not do the same work:\n" + "\n".join(problems))
+                    return ours, gym
+
+                if warmup:  # first requests pay for imports, connections and caches on both sides
+                    ours, gym = await level(warmup)
+                    rates = f"service {ours.rollouts_per_s:.1f}/s, gym {gym.rollouts_per_s:.1f}/s"
+                    print(f"warm-up at concurrency {warmup} (not reported): {rates}", flush=True)
+                results = []
+                for concurrency in levels:
+                    results.append(await level(concurrency))
+                    print(report_level(*results[-1]), flush=True)
+
+    print(
+        "definitions: rollouts/s = rollouts / rollout phase (the resources server's first /seed_session to the end of "
+        "its last /verify); orchestrator CPU = CPU of the orchestrating processes in that phase per rollout "
+        "(service: this process, the service and its client; gym: eval-run collector + environment server + "
+        "simple_agent + vllm_model)"
+    )
+    ratios = ", ".join(f"{o.rollouts_per_s / g.rollouts_per_s:.2f}x at {o.concurrency}" for o, g in results)
+    overhead = ", ".join(f"{orchestrator_cpu_ms(o):.1f} vs {orchestrator_cpu_ms(g):.1f} ms" for o, g in results)
+    worst = min(o.rollouts_per_s / g.rollouts_per_s for o, g in results)
+    print(
+        f"throughput: service vs Gym simple_agent on the same resources server and model: {ratios} "
+        f"(min {worst:.2f}x; orchestrator CPU per rollout {overhead})"
+    )
+
+
+def _tree(pid: int) -> set[int]:
+    try:
+        root = psutil.Process(pid)
+        return {pid, *(p.pid for p in root.children(recursive=True))}
+    except psutil.Error:
+        return {pid}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="prorl bench throughput", description=__doc__.split("\n")[0])
+    parser.add_argument("--levels", type=int, nargs="+", default=[64, 256, 1024], help="concurrency levels")
+    parser.add_argument("--rollouts-per-slot", type=int, default=4, help="rollouts per level = this x concurrency")
+    parser.add_argument("--max-rollouts", type=int, default=2048, help="cap on the rollouts of one level")
+    parser.add_argument("--group", type=int, default=8, help="samples per task (a GRPO group: --num-repeats / n)")
+    parser.add_argument("--warmup", type=int, default=16, help="an unreported first round at this concurrency; 0: none")
+    args = parser.parse_args(argv)
+    asyncio.run(_run(args.levels, args.rollouts_per_slot, args.max_rollouts, args.group, args.warmup))

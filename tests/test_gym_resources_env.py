@@ -1,0 +1,186 @@
+"""Our orchestrator drives real NeMo Gym resources servers over HTTP (a `type: gym` task), with the stand-in model:
+
+- the benchmark's `prorl_bench` (a free `add` tool): every rollout of a GRPO group seeds its own Gym session, its
+  tool calls reach the server's `/add` route under that session's cookie (the server counts them per session),
+  and the reward is the server's `/verify` verdict, diagnostics included; a wrong answer gets the server's zero;
+- our `prorl_math` (bash / finish in a bubblewrap sandbox the server owns): the tools run in the server's
+  sandbox and the finish answer is graded there, and the sandbox is gone after verify;
+- every assistant turn carries NeMo RL's token fields, contiguous across the rollout.
+
+The servers are started the way Gym starts them, by `gym env start`, from a config naming only them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from nemo_gym_prorl.bench.throughput import (
+    SCRIPT,
+    TOOL_CALLS_PER_ROLLOUT,
+    bench_row,
+    gym_env_start,
+    gym_environ,
+    gym_task_yaml,
+    link_venvs,
+    write_jsonl,
+)
+from nemo_gym_prorl.gym import PLUGIN_ROOT
+from nemo_gym_prorl.models.launcher import ModelServerProcess
+from nemo_gym_prorl.models.standin import standin_argv
+from nemo_gym_prorl.service.orchestrator import JobRequest
+from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
+from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceRuntime, ServiceSettings
+from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
+
+MATH_ROW = json.loads((PLUGIN_ROOT / "resources_servers/prorl_math/data/example.jsonl").open().readline())
+MATH_SCRIPT = [
+    '<tool_call>\n{"name": "bash", "arguments": {"command": "cat problem.txt"}}\n</tool_call>',
+    f'<tool_call>\n{{"name": "finish", "arguments": {{"answer": "{MATH_ROW["answer"]}"}}}}\n</tool_call>',
+]
+SERVERS_CONFIG = """\
+prorl_bench:
+  resources_servers:
+    prorl_bench: {entrypoint: app.py, domain: other}
+prorl_math:
+  resources_servers:
+    prorl_math: {entrypoint: app.py, domain: math, task: math/arithmetic, sandbox_backend: bwrap}
+"""
+
+
+@dataclass
+class Servers:
+    urls: dict[str, str]  # resources server name -> URL
+    pids: dict[str, int]
+    models: dict[str, str]  # resources server name -> the stand-in scripted for its task
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    """`gym env start` with our two resources servers, and a stand-in model scripted for each task; all of it is
+    stopped (gym by SIGINT, then its session killed) when the module is done."""
+    tmp = tmp_path_factory.mktemp("gym-resources-env")
+    loop = asyncio.new_event_loop()
+    bench_model = ModelServerProcess(standin_argv(SCRIPT))
+    math_model = ModelServerProcess(standin_argv(MATH_SCRIPT))
+    config = tmp / "servers.yaml"
+    config.write_text(SERVERS_CONFIG)
+    gym = gym_env_start(["--config", str(config)], gym_environ(link_venvs(tmp / "venvs")), tmp, tmp / "env_start.log")
+    try:
+        loop.run_until_complete(bench_model.__aenter__())
+        loop.run_until_complete(math_model.__aenter__())
+        env = loop.run_until_complete(gym.__aenter__())
+        try:
+            urls = {name: env.servers[name]["url"] for name in ("prorl_bench", "prorl_math")}
+            pids = {name: env.servers[name]["pid"] for name in ("prorl_bench", "prorl_math")}
+            yield Servers(urls, pids, {"prorl_bench": bench_model.base_url, "prorl_math": math_model.base_url}, tmp)
+        finally:
+            loop.run_until_complete(gym.__aexit__(None, None, None))
+    finally:
+        loop.run_until_complete(math_model.stop())
+        loop.run_until_complete(bench_model.stop())
+        loop.close()
+
+
+def service_config(servers: Servers, server: str, rows: list[dict[str, Any]], max_turns: int) -> ServiceConfig:
+    rows_path = write_jsonl(servers.tmp / f"{server}-rows.jsonl", rows)
+    task = gym_task_yaml(servers.tmp / f"{server}.yaml", rows_path, servers.urls[server], max_turns=max_turns)
+    stage = StageConfig(workers=8)
+    settings = ServiceSettings(
+        port=0, tasks=[str(task)], store=Path(":memory:"),
+        pipeline=PipelineConfig(init=stage, run=stage, eval=stage, max_live_sandboxes=8),
+    )  # fmt: skip
+    model = ModelConfig(
+        kind="remote", addresses=[servers.models[server]], served_model_name="standin", tool_call_format="hermes",
+        generation_mode="chat",
+    )  # fmt: skip
+    return ServiceConfig(service=settings, model=model)
+
+
+async def run_jobs(config: ServiceConfig, jobs: list[JobRequest]) -> list[list[Trajectory]]:
+    async with ServiceRuntime(config) as runtime:
+        assert runtime.orchestrator is not None
+        orchestrator = runtime.orchestrator
+        ids = [orchestrator.submit(job) for job in jobs]
+        return [(await orchestrator.wait(job_id)).results for job_id in ids]
+
+
+def check_token_fields(trajectory: Trajectory, turns: int) -> None:
+    assistant = trajectory.assistant_turns()
+    assert len(assistant) == turns
+    for turn in assistant:
+        assert all(turn[field] for field in TOKEN_FIELDS), turn.keys()
+    assert contiguity_violation(assistant) is None, contiguity_violation(assistant)
+
+
+def tool_results(trajectory: Trajectory) -> list[str]:
+    return [m["content"] for m in trajectory.messages if m["role"] == "tool"]
+
+
+async def bench_stats(url: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(trust_env=False) as client:
+        return (await client.get(f"{url}/bench/stats")).json()
+
+
+@pytest.mark.slow
+async def test_each_rollout_calls_the_tools_in_its_own_gym_session_and_gets_the_servers_reward(
+    servers: Servers,
+) -> None:
+    right, wrong = bench_row(0), bench_row(1) | {"expected_answer": "11"}
+    config = service_config(servers, "prorl_bench", [right, wrong], max_turns=len(SCRIPT))
+    async with httpx.AsyncClient(trust_env=False) as client:
+        await client.post(f"{servers.urls['prorl_bench']}/bench/reset")
+
+    group, [miss] = await run_jobs(config, [JobRequest(instance=right, n=4), JobRequest(instance=wrong, n=1)])
+
+    for trajectory in [*group, miss]:
+        assert trajectory.critical_error is None, trajectory.error
+        # Each result is the server's /add reply to that call, in order: 1+2, 3+3, 6+4.
+        assert [json.loads(r)["sum"] for r in tool_results(trajectory)] == [3, 6, 10]
+        assert trajectory.num_tool_calls == TOOL_CALLS_PER_ROLLOUT
+        # The server counted the calls of this rollout's session only: cookies kept the sessions apart.
+        assert trajectory.evaluation["tool_calls"] == TOOL_CALLS_PER_ROLLOUT
+        assert trajectory.evaluation["answer"] == "10"
+        check_token_fields(trajectory, turns=len(SCRIPT))
+    assert [(t.reward, t.resolved, t.evaluation["reason"]) for t in group] == [(1.0, True, "correct")] * 4
+    assert (miss.reward, miss.resolved, miss.evaluation["reason"]) == (0.0, False, "wrong answer")
+    stats = await bench_stats(servers.urls["prorl_bench"])
+    assert (stats["seeds"], stats["tool_calls"], stats["verifies"]) == (5, 5 * TOOL_CALLS_PER_ROLLOUT, 5)
+
+
+@pytest.mark.slow
+async def test_a_sandboxed_gym_server_runs_the_tools_in_its_sandbox_and_grades_the_finish_answer(
+    servers: Servers,
+) -> None:
+    config = service_config(servers, "prorl_math", [MATH_ROW], max_turns=len(MATH_SCRIPT))
+
+    [[trajectory, second]] = await run_jobs(config, [JobRequest(instance=MATH_ROW, n=2)])
+
+    for t in (trajectory, second):
+        assert t.critical_error is None, t.error
+        bash, finish = (json.loads(r)["output"] for r in tool_results(t))
+        assert bash == MATH_ROW["question"]  # `cat problem.txt` in the sandbox the server staged
+        assert finish == "Answer submitted."
+        assert (t.reward, t.resolved) == (1.0, True)
+        assert t.evaluation["answer_source"] == "finish" and t.evaluation["submitted_answer"] == MATH_ROW["answer"]
+        check_token_fields(t, turns=len(MATH_SCRIPT))
+    server = psutil.Process(servers.pids["prorl_math"])
+    assert not [p for p in server.children(recursive=True) if p.name() == "bwrap"], "verify left a sandbox"
+
+
+
+def test_prorl_bench_example_rows_are_the_benchmarks_rows() -> None:
+    example = PLUGIN_ROOT / "resources_servers" / "prorl_bench" / "data" / "example.jsonl"
+    rows = [json.loads(line) for line in example.open()]
+    assert rows == [bench_row(i) for i in range(len(rows))], (
+        "prorl_bench's data/example.jsonl is stale; rewrite it from nemo_gym_prorl.bench.throughput.bench_row"
+    )
