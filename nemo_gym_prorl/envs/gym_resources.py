@@ -19,6 +19,7 @@ from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Submissio
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.envs.task import TaskConfig
 from nemo_gym_prorl.gym.output_items import gym_output_items
+from nemo_gym_prorl.service.http_transport import AiohttpTransport
 from nemo_gym_prorl.tool_calls import ToolCall
 from nemo_gym_prorl.tools import ToolOutput
 
@@ -45,7 +46,9 @@ class GymResourcesEnvironment(Environment):
             raise ValueError(f"task {task.name!r}: a gym task needs resources_server_url")
         super().__init__(task, sandbox_backend)
         self.url = task.resources_server_url.rstrip("/")
-        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(task.tool_timeout_s + 30), trust_env=False)
+        self._http = http or httpx.AsyncClient(
+            transport=AiohttpTransport(), timeout=httpx.Timeout(task.tool_timeout_s + 30), trust_env=False
+        )
 
     @staticmethod
     def _params(instance: TaskInstance) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from nemo_gym_prorl.service.http_transport import AiohttpTransport
 from nemo_gym_prorl.service.llm_client import PostJSON, refusal
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,8 @@ class LLMPool:
         self.config = config = config or LLMPoolConfig()
         self._owns_http = http is None
         self._http = http or httpx.AsyncClient(
+            transport=AiohttpTransport(config.max_connections),
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s, pool=None),
-            limits=httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=None),
             trust_env=False,  # backends sit next to us; a proxy from the environment would only get in the way
         )
         self._backends: dict[str, BackendState] = {}
