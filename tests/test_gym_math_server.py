@@ -11,12 +11,9 @@ These are the commands of nemo_gym_prorl/gym/README.md, run as a user would from
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
-import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,6 +30,7 @@ from nemo_gym.server_utils import ServerClient
 from nemo_gym.testing.session_conformance import check_resources_session_contract
 from nemo_gym_prorl.gym import PLUGIN_ROOT
 from nemo_gym_prorl.gym.rows import task_rows
+from nemo_gym_prorl.gym.processes import free_port, gym_env_start, gym_environ, run_gym
 from nemo_gym_prorl.gym.venvs import SERVERS, ensure_venv_links
 from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
 from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, contiguity_violation
@@ -42,13 +40,10 @@ sys.path.insert(0, str(PLUGIN_ROOT))  # what Gym does for its extra roots: `reso
 from resources_servers.prorl_math.app import ProrlMathConfig, ProrlMathServer  # noqa: E402
 
 REPO_ROOT = PLUGIN_ROOT.parents[1]
-GYM = Path(sys.executable).with_name("gym")
 SERVER_DIR = PLUGIN_ROOT / "resources_servers" / "prorl_math"
 EXAMPLE = SERVER_DIR / "data" / "example.jsonl"
 EXAMPLE_ROWS = [json.loads(line) for line in EXAMPLE.open()]
 AGENTS = {"prorl_math_simple_agent": "legacy_agent", "prorl_math_session_agent": "single_agent_turn_legacy"}
-READY_DEADLINE_S = 240
-STOP_GRACE_S = 30
 
 
 # -- processes --------------------------------------------------------------------------------------------------
@@ -88,95 +83,6 @@ def sandboxes_below(pid: int) -> set[int]:
     return {p for p, comm in descendants(pid).items() if comm == "bwrap"}
 
 
-def session_members(sid: int) -> set[int]:
-    return {pid for pid, (_, _, session) in _proc_stats().items() if session == sid}
-
-
-async def kill_session(sid: int) -> None:
-    """SIGKILL whatever is left in session `sid` (a gym command's servers, Ray), then wait until it is gone."""
-    deadline = asyncio.get_running_loop().time() + 10
-    while members := session_members(sid):
-        for pid in members:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if asyncio.get_running_loop().time() > deadline:
-            raise RuntimeError(f"processes of session {sid} survive SIGKILL: {sorted(members)}")
-        await asyncio.sleep(0.1)
-
-
-def _sigint_default() -> None:
-    """A child started from a background job inherits SIGINT ignored, and gym would then ignore our stop signal."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def gym_environ() -> dict[str, str]:
-    return os.environ | {
-        "PATH": f"{GYM.parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "NEMO_GYM_EXTRA_ROOTS": str(PLUGIN_ROOT),
-        "RAY_AUTH_MODE": "disabled",  # no token file under ~/.ray
-    }
-
-
-async def run_gym(*args: str, timeout_s: float) -> str:
-    """Run one `gym` command from the repo root in its own session; its output; nothing of it is left after."""
-    proc = await asyncio.create_subprocess_exec(
-        GYM, *args, cwd=REPO_ROOT, env=gym_environ(), stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=_sigint_default,
-    )  # fmt: skip
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    finally:
-        await kill_session(proc.pid)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, f"gym {' '.join(args)} exited {proc.returncode}:\n{text[-6000:]}"
-    return text
-
-
-@contextlib.asynccontextmanager
-async def gym_env_start(args: list[str], head_port: int, log: Path) -> AsyncIterator[str]:
-    """`gym env start` in its own session; yields the head server URL once every server is ready. On exit it is
-    stopped with SIGINT (servers and Ray shut down), and anything of its session still alive is killed."""
-    with log.open("wb") as log_file:
-        proc = await asyncio.create_subprocess_exec(
-            GYM, "env", "start", *args, f"+head_server.port={head_port}", cwd=REPO_ROOT, env=gym_environ(),
-            stdout=log_file, stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=_sigint_default,
-        )  # fmt: skip
-    head = f"http://127.0.0.1:{head_port}"
-    try:
-        await wait_until_ready(proc, f"{head}/health", log)
-        yield head
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGINT)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
-        await kill_session(proc.pid)
-        await proc.wait()
-
-
-async def wait_until_ready(proc: asyncio.subprocess.Process, health_url: str, log: Path) -> None:
-    """Poll the head server's health (503 until all servers and the model endpoint answer) within a deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + READY_DEADLINE_S
-    async with httpx.AsyncClient(timeout=5) as client:
-        while True:
-            if proc.returncode is not None:
-                raise AssertionError(f"gym env start exited {proc.returncode}:\n{log.read_text()[-6000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(health_url)).status_code == 200:
-                    return
-            if loop.time() > deadline:
-                raise AssertionError(f"gym servers not ready in {READY_DEADLINE_S}s:\n{log.read_text()[-6000:]}")
-            await asyncio.sleep(0.5)
-
-
-def free_port() -> int:
-    """A free port from the kernel's ephemeral range, outside Gym's own server port range (10001-20000)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def gym_venv_links() -> None:
     ensure_venv_links()
@@ -198,7 +104,8 @@ def repo_root_stays_clean() -> Any:
 @pytest.mark.slow
 async def test_gym_env_test_passes_for_our_resources_server(tmp_path: Path, repo_root_stays_clean: None) -> None:
     out = await run_gym(
-        "env", "test", "--resources-server", "prorl_math", f"hydra.run.dir={tmp_path / 'hydra'}", timeout_s=300
+        ["env", "test", "--resources-server", "prorl_math", f"hydra.run.dir={tmp_path / 'hydra'}"],
+        gym_environ(), REPO_ROOT, timeout_s=300,
     )
     assert " passed" in out and " failed" not in out and "uv: command not found" not in out
 
@@ -251,16 +158,17 @@ async def test_gym_rollouts_with_simple_agent_and_vllm_model_carry_trainable_tok
             "--resources-server", "prorl_math/prorl_math_single_agent_turn",  # includes prorl_math.yaml
             "--config", "configs/local_policy_model.yaml",
             "--model", model.config.served_model_name, "--model-url", model.base_url, "--model-api-key", "dummy",
-            f"hydra.run.dir={tmp_path / 'hydra-start'}",
         ]  # fmt: skip
-        async with gym_env_start(start_args, head_port, tmp_path / "env_start.log") as head:
-            server_pid = await check_tool_route_in_started_server(head)
+        log, hydra_dir = tmp_path / "env_start.log", tmp_path / "hydra-start"
+        async with gym_env_start(start_args, gym_environ(), REPO_ROOT, log, head_port, hydra_dir) as env:
+            server_pid = await check_tool_route_in_started_server(env.head)
             for agent in AGENTS:
                 output = tmp_path / agent / "rollouts.jsonl"
                 await run_gym(
-                    "eval", "run", "--no-serve", "--agent", agent, "--input", str(EXAMPLE), "--output", str(output),
-                    "--limit", "2", "--max-output-tokens", "64", f"+head_server.port={head_port}",
-                    f"hydra.run.dir={tmp_path / 'hydra-eval'}", timeout_s=300,
+                    ["eval", "run", "--no-serve", "--agent", agent, "--input", str(EXAMPLE), "--output", str(output),
+                     "--limit", "2", "--max-output-tokens", "64", f"+head_server.port={head_port}",
+                     f"hydra.run.dir={tmp_path / 'hydra-eval'}"],
+                    gym_environ(), REPO_ROOT, timeout_s=300,
                 )  # fmt: skip
                 rollouts[agent] = [json.loads(line) for line in output.open()]
             assert not sandboxes_below(server_pid), "a rollout's sandbox outlived its verify"

@@ -27,12 +27,11 @@ from nemo_gym_prorl.bench.throughput import (
     SCRIPT,
     TOOL_CALLS_PER_ROLLOUT,
     bench_row,
-    gym_env_start,
-    gym_environ,
     gym_task_yaml,
     link_venvs,
     write_jsonl,
 )
+from nemo_gym_prorl.gym.processes import gym_env_start, gym_environ
 from nemo_gym_prorl.gym import PLUGIN_ROOT
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv

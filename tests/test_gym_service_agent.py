@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_prorl.bench.throughput import gym_env_start, gym_environ, link_venvs, run_gym
+from nemo_gym_prorl.bench.throughput import link_venvs
+from nemo_gym_prorl.gym.processes import gym_env_start, gym_environ, run_gym
 from nemo_gym_prorl.gym import PLUGIN_ROOT
 from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
 from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig

@@ -32,13 +32,11 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
-import socket
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -47,7 +45,7 @@ from typing import Any, Self
 import httpx
 import psutil
 
-from nemo_gym_prorl.gym import PLUGIN_ROOT
+from nemo_gym_prorl.gym.processes import GymEnv, gym_env_start, gym_environ, run_gym, session_members
 from nemo_gym_prorl.gym.venvs import ensure_venv_links
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
@@ -59,11 +57,8 @@ from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSe
 from nemo_gym_prorl.service.serve import run_service
 from nemo_gym_prorl.service.trajectory import Trajectory
 
-GYM = Path(sys.executable).with_name("gym")
 RESOURCES_SERVER = "prorl_bench"
 GYM_AGENT = "prorl_bench_simple_agent"
-READY_DEADLINE_S = 300.0
-STOP_GRACE_S = 30.0
 
 ADD_TOOL = {
     "type": "function",
@@ -135,121 +130,6 @@ def link_venvs(root: Path) -> Path:
     if not link.is_symlink():
         link.symlink_to(Path(sys.prefix).resolve(), target_is_directory=True)
     return root
-
-
-def gym_environ(venvs_dir: Path) -> dict[str, str]:
-    return os.environ | {
-        "PATH": f"{GYM.parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "NEMO_GYM_EXTRA_ROOTS": str(PLUGIN_ROOT),
-        "PRORL_GYM_VENVS": str(venvs_dir),  # env.yaml's uv_venv_dir
-        "RAY_AUTH_MODE": "disabled",  # no token file under ~/.ray
-    }
-
-
-def session_members(sid: int) -> set[int]:
-    members = set()
-    for pid in psutil.pids():
-        with contextlib.suppress(OSError):  # gone meanwhile
-            if os.getsid(pid) == sid:
-                members.add(pid)
-    return members
-
-
-async def kill_session(sid: int) -> None:
-    """SIGKILL whatever is left in session `sid` (a gym command's servers, Ray), then wait until it is gone."""
-    deadline = time.monotonic() + 10
-    while members := session_members(sid):
-        for pid in members:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"processes of session {sid} survive SIGKILL: {sorted(members)}")
-        await asyncio.sleep(0.1)
-
-
-def _sigint_default() -> None:
-    """A child of a background job inherits SIGINT ignored, and gym would then ignore our stop signal."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-async def run_gym(
-    args: list[str], environ: dict[str, str], cwd: Path, timeout_s: float, on_start: Callable[[int], None] | None = None
-) -> str:
-    """Run one `gym` command in its own session (`on_start` gets its pid); its output. Nothing of it is left after."""
-    proc = await asyncio.create_subprocess_exec(
-        GYM, *args, cwd=cwd, env=environ, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True, preexec_fn=_sigint_default,
-    )  # fmt: skip
-    if on_start is not None:
-        on_start(proc.pid)
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    finally:
-        await kill_session(proc.pid)
-        await proc.wait()
-    text = out.decode(errors="replace")
-    if proc.returncode != 0:
-        raise RuntimeError(f"gym {' '.join(args)} exited {proc.returncode}:\n{text[-6000:]}")
-    return text
-
-
-@dataclass
-class GymEnv:
-    head: str
-    head_port: int
-    pid: int
-    log: Path
-    servers: dict[str, dict[str, Any]]  # process name -> Gym's /server_instances entry (url, pid, ...)
-
-
-@contextlib.asynccontextmanager
-async def gym_env_start(
-    args: list[str], environ: dict[str, str], cwd: Path, log: Path, head_port: int | None = None
-) -> AsyncIterator[GymEnv]:
-    """`gym env start` in its own session, yielded once every server is ready. On exit it gets SIGINT (its servers
-    and Ray shut down), then whatever is left of its session is killed."""
-    head_port = head_port or free_port()
-    with log.open("wb") as log_file:
-        proc = await asyncio.create_subprocess_exec(
-            GYM, "env", "start", *args, f"+head_server.port={head_port}", f"hydra.run.dir={cwd / 'hydra-env-start'}",
-            cwd=cwd, env=environ, stdout=log_file, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_sigint_default,
-        )  # fmt: skip
-    head = f"http://127.0.0.1:{head_port}"
-    try:
-        await _wait_until_ready(proc, f"{head}/health", log)
-        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
-            instances = (await client.get(f"{head}/server_instances")).json()
-        yield GymEnv(head, head_port, proc.pid, log, {i["process_name"]: i for i in instances})
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGINT)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
-        await kill_session(proc.pid)
-        await proc.wait()
-
-
-async def _wait_until_ready(proc: asyncio.subprocess.Process, health_url: str, log: Path) -> None:
-    """Poll the head server's health (503 until every server and the model endpoint answer) within a deadline."""
-    deadline = time.monotonic() + READY_DEADLINE_S
-    async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
-        while True:
-            if proc.returncode is not None:
-                raise RuntimeError(f"gym env start exited {proc.returncode}:\n{log.read_text()[-6000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(health_url)).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gym servers not ready in {READY_DEADLINE_S:g}s:\n{log.read_text()[-6000:]}")
-            await asyncio.sleep(0.5)
-
-
-def free_port() -> int:
-    """A free port from the kernel's ephemeral range, outside Gym's own server port range (10001-20000)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- CPU by role ------------------------------------------------------------------------------------------------
