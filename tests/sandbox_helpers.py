@@ -48,7 +48,13 @@ def apptainer_processes(sandbox: Any) -> list[psutil.Process]:
 
 
 def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
-    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    """Those of `processes` still running (not exited, not a zombie waiting to be reaped)."""
+    running = []
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                running.append(process)
+    return running
 
 
 def processes_named(name: str) -> list[psutil.Process]:

@@ -7,6 +7,7 @@ abuse cases in test_sandbox_abuse.py; forks in test_sandbox_fork.py.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -16,8 +17,9 @@ import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
-from sandbox_helpers import process_tree, reachable_temp_dir, wait_until
+from sandbox_helpers import alive, process_tree, reachable_temp_dir, wait_until
 
 from nemo_gym_prorl.sandbox import BwrapSandbox, SandboxError, SandboxLimits, SandboxSpec
 from nemo_gym_prorl.sandbox.base import BindMount
@@ -235,6 +237,26 @@ async def test_failed_start_cleans_up() -> None:
     assert sandbox.cgroup is None or not [d for d in sandbox.cgroup.dirs.values() if os.path.exists(d)]
 
 
+@pytest.mark.parametrize("victim", ["bwrap", "init"])
+async def test_a_sandbox_killed_from_the_host_is_gone_not_silently_restarted(victim: str) -> None:
+    """SIGKILL from the host to bwrap, or to the sandbox's init (which nothing inside can kill): the command that
+    ran and every later call raise SandboxError, where a shell that merely exited would be replaced."""
+    async with BwrapSandbox(SPEC) as sandbox:
+        await sandbox.run("echo state > /tmp/kept", 5)
+        bwrap = psutil.Process(sandbox.pid)
+        target = bwrap if victim == "bwrap" else bwrap.children()[0]
+        running = asyncio.ensure_future(sandbox.run("sleep 600", 60))
+        await wait_until(lambda: any(p.name() == "sleep" for p in bwrap.children(recursive=True)))
+        target.kill()
+        with pytest.raises(SandboxError, match="the sandbox was killed"):
+            await running
+        for call in (sandbox.run("cat /tmp/kept", 5), sandbox.exec(["true"], 5)):
+            with pytest.raises(SandboxError, match="the sandbox was killed"):
+                await call
+        temp_dir = sandbox.temp_dir
+    assert temp_dir is not None and not temp_dir.exists() and not bwrap.is_running()
+
+
 OWNER = """
 import asyncio, sys
 from nemo_gym_prorl.sandbox import BwrapSandbox
@@ -263,11 +285,11 @@ async def test_what_a_killed_owner_left_is_swept(shared_tmp: Path, monkeypatch: 
     assert len(cgroups) == (len(own_cgroup_dirs()) if AS_ROOT else 0)
     owner.send_signal(signal.SIGKILL)
     owner.wait()
-    await wait_until(lambda: not [p for p in sandbox_processes if p.is_running() and p.status() != "zombie"])
+    await wait_until(lambda: not alive(sandbox_processes))
     assert os.path.isdir(temp_dir) and all(os.path.isdir(c) for c in cgroups)
     assert sweep_orphans(str(shared_tmp)) == [temp_dir]
     assert not os.path.exists(temp_dir) and not [c for c in cgroups if os.path.exists(c)]
     monkeypatch.setattr(tempfile, "tempdir", str(shared_tmp))
-    async with BwrapSandbox(SPEC) as alive:
+    async with BwrapSandbox(SPEC) as live:
         assert sweep_orphans(str(shared_tmp)) == []
-        assert alive.temp_dir is not None and alive.temp_dir.exists()  # a live owner's sandbox is left alone
+        assert live.temp_dir is not None and live.temp_dir.exists()  # a live owner's sandbox is left alone

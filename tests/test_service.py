@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -139,6 +140,23 @@ async def test_stage_deadline_ends_the_rollout_as_timeout(slow_model: str, tmp_p
     (trajectory,) = view.results
     assert trajectory.critical_error == "timeout" and "run stage ran past its deadline of 1 s" in trajectory.error
     assert trajectory.timing.run < 10 and sandbox_processes() == []
+
+
+async def test_a_sandbox_killed_mid_run_ends_the_rollout_as_a_run_failure(tmp_path: Path) -> None:
+    script = ["```bash\nsleep 600\n```", "\\boxed{42}"]
+    temp_dirs_before = set(Path(tempfile.gettempdir()).glob("prorl-sbx-*"))
+    async with ModelServerProcess(standin_argv(script)) as model, service(model.base_url, tmp_path) as svc:
+        async with RolloutClient(svc.url) as client:
+            job_id = await client.submit(JobRequest(instance=ROW))
+            async with asyncio.timeout(60):  # the model's command runs in the sandbox
+                while not (sleeping := [p for p in psutil.Process().children(recursive=True) if p.name() == "sleep"]):
+                    await asyncio.sleep(0.05)
+            sleeping[0].parent().kill()  # the sandbox's shell, init of its pid namespace: SIGKILL from the host
+            view = await client.wait(job_id)
+    (trajectory,) = view.results
+    assert trajectory.critical_error == "run" and "the sandbox was killed" in trajectory.error
+    assert trajectory.finish == "error" and trajectory.reward == 0.0
+    assert sandbox_processes() == [] and set(Path(tempfile.gettempdir()).glob("prorl-sbx-*")) == temp_dirs_before
 
 
 @pytest.mark.parametrize(

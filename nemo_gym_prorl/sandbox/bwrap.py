@@ -8,7 +8,11 @@ sandbox's own. A directory image: each top-level entry of that rootfs read-only.
 read-only at /.prorl, and `spec.binds`. Nothing else of the host is there: no /home, /root, /run, /sys, /var, no
 checkout.
 
-Privileges. As root, bwrap runs as uid 65534 (`setpriv`), inside a user namespace of its own (`unshare --user`),
+Start-up. A `sh`, started in a session of its own, joins the sandbox's cgroups, reopens its pty (which makes it
+the session's controlling terminal) and executes `setpriv` (as root), `unshare`, `bwrap` and the shell, which
+sets the rlimits as its first command. Each program more in that chain would cost ~1 ms.
+
+Privileges. As root, bwrap runs as uid 65534, inside a user namespace of its own (`unshare --user`),
 and maps the sandbox's user, uid 1000, onto it: no capabilities, not root, no setuid, and the seccomp filter of
 `seccomp.py` (which also refuses new namespaces: bwrap's `--disable-userns` would cost another 8 ms per start).
 Every namespace is unshared; the network only with `spec.network` (otherwise just a loopback of its own).
@@ -66,10 +70,10 @@ from nemo_gym_prorl.sandbox.limits import (
     OutputCap,
     SandboxCgroup,
     join_argv,
-    prlimit_argv,
     rlimits,
+    ulimit_command,
 )
-from nemo_gym_prorl.sandbox.pty_shell import DEFAULT_MAX_DRAINED_BYTES, PtyShell, _poll_until
+from nemo_gym_prorl.sandbox.pty_shell import DEFAULT_MAX_DRAINED_BYTES, PtyShell, ShellLauncher, _poll_until
 from nemo_gym_prorl.sandbox.seccomp import bpf_program
 from nemo_gym_prorl.sandbox.workspace import HostWorkspace, lexical_relative, remove_tree
 
@@ -92,8 +96,12 @@ _ETC_OWN = {
     "hosts": "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n",
     "hostname": "sandbox\n",
 }
-# $1: seccomp program; then cgroup.procs files up to "--"; then the command. Runs as the caller (root: may join).
-_ENTER = 'bpf=$1; shift; while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@" 3< "$bpf"'
+# $1: seccomp program; then cgroup.procs files up to "--"; then the command. Runs as the caller (root: may join), a
+# session leader: reopening its pty makes that the session's controlling terminal.
+_ENTER = (
+    'bpf=$1; shift; while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
+    'exec 0<>/proc/self/fd/0; exec "$@" 3< "$bpf"'
+)
 _MOUNT_OVERLAY = 'mount -t overlay prorl-overlay -o "$1" "$2" || exit 125; shift 2; exec "$@"'
 _KILL_WAIT_S = 5.0
 _FILE_IO_TIMEOUT_S = 60.0
@@ -153,10 +161,9 @@ class BwrapSandbox(SandboxLifecycle):
             if self._cgroup is not None:
                 _write_owner(self._root, list(self._cgroup.dirs.values()))
             self._shell = PtyShell(
-                self._argv(),
+                _BwrapLauncher(self._argv(), ulimit_command(rlimits(limits))),
                 self._root / "control",
                 CONTROL_DIR,
-                env={"PATH": _PATH},
                 max_output_bytes=limits.max_output_bytes,
             )
             await self._shell.start()
@@ -269,7 +276,6 @@ class BwrapSandbox(SandboxLifecycle):
             # may write (trusted.* it may not: without this, removing or renaming a lower directory fails).
             options = ",".join([*(f"{key}={path}" for key, path in layers.items()), "userxattr"])
             argv += ["sh", "-c", _MOUNT_OVERLAY, "prorl-sbx", options, str(root / "merged")]
-        argv += prlimit_argv(rlimits(limits))
         argv += [self._bwrap, "--unshare-all", "--unshare-user", "--cap-drop", "ALL"]
         argv += ["--uid", str(_INNER_UID), "--gid", str(_INNER_UID), "--hostname", "sandbox"]
         argv += ["--share-net"] if self.spec.network else []
@@ -444,6 +450,38 @@ class BwrapSandbox(SandboxLifecycle):
         if self._snapshot is not None:
             return None
         return HostWorkspace(self._root / "workspace", _NOBODY if self._as_root else None)
+
+
+class _BwrapLauncher(ShellLauncher):
+    """Starts a sandbox's chain (`argv`, beginning with `_ENTER`) on its pty; see "Start-up" in the module docstring.
+
+    Its processes are those of the sandbox's pid namespace, which die with their init; and the sandbox is gone when
+    bwrap was killed, or its init was: SIGKILL from inside the sandbox cannot reach its init (the kernel protects a
+    pid namespace's init), so that came from the host or the kernel's OOM killer. (A shell that ends with
+    `exit 137` reads the same.) Any other exit is the shell's own (`exit`): a new sandbox shell takes over.
+    """
+
+    def __init__(self, argv: list[str], setup: str) -> None:
+        super().__init__(argv, {"PATH": _PATH})
+        self.setup = setup
+
+    def spawn(self, tty: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            self.argv, stdin=tty, stdout=tty, stderr=tty, env=self.env, close_fds=True, start_new_session=True
+        )
+
+    def members(self, pid: int) -> set[int]:
+        try:
+            return {_init_pid(pid)}
+        except SandboxError:  # still starting up, bwrap not there yet
+            return super().members(pid)
+
+    def lost(self, returncode: int) -> str | None:
+        if returncode < 0:
+            return f"the sandbox was killed: bwrap got {signal.Signals(-returncode).name}"
+        if returncode == 128 + signal.SIGKILL:
+            return "the sandbox was killed: its init got SIGKILL from the host (or the kernel's OOM killer)"
+        return None
 
 
 class _Snapshot:

@@ -42,23 +42,45 @@ CGROUP_PREFIX = "prorl-sbx-"
 _CONTROLLERS = ("pids", "memory")
 
 
+_RLIMIT_NAMES = {
+    "as": resource.RLIMIT_AS,
+    "core": resource.RLIMIT_CORE,
+    "cpu": resource.RLIMIT_CPU,
+    "fsize": resource.RLIMIT_FSIZE,
+    "nproc": resource.RLIMIT_NPROC,
+}
+
+
 def rlimits(limits: _Limits) -> dict[str, tuple[int, int]]:
     """prlimit(1) resource names → (soft, hard) for `limits`. CPU time: SIGXCPU at the limit, SIGKILL a second
-    later. The process count has one added for bubblewrap's own monitor process, which is charged to the
-    sandbox's outer user namespace but runs outside the sandbox."""
+    later."""
     values = {"as": limits.memory_mb * 2**20, "core": 0}
     if limits.file_size_mb is not None:
         values["fsize"] = limits.file_size_mb * 2**20
     if limits.max_processes is not None:
-        values["nproc"] = limits.max_processes + 1
+        values["nproc"] = limits.max_processes
     pairs = {name: (value, value) for name, value in values.items()}
     if limits.cpu_time_s is not None:
         pairs["cpu"] = (limits.cpu_time_s, limits.cpu_time_s + 1)
     return pairs
 
 
-def prlimit_argv(values: Mapping[str, tuple[int, int]]) -> list[str]:
-    return ["prlimit", *(f"--{name}={soft}:{hard}" for name, (soft, hard) in values.items()), "--"]
+_BASH_ULIMIT = {"as": ("-v", 1024), "core": ("-c", 1024), "cpu": ("-t", 1), "fsize": ("-f", 1024), "nproc": ("-u", 1)}
+
+
+def ulimit_command(values: Mapping[str, tuple[int, int]]) -> str:
+    """bash's `ulimit` commands that set `values` (see `rlimits`) on the shell, for all it starts after.
+
+    Set from inside the sandbox, below its user namespaces, where RLIMIT_NPROC counts the sandbox's own processes
+    (a limit set before a user namespace is made also caps the namespace's total in its parent's count: every
+    sandbox's, since all run as one host uid). Nothing in the sandbox can raise a hard limit again: that takes
+    CAP_SYS_RESOURCE in the host's user namespace.
+    """
+    hard = [f"{_BASH_ULIMIT[name][0]} {h // _BASH_ULIMIT[name][1]}" for name, (_, h) in values.items()]
+    soft = [f"{_BASH_ULIMIT[name][0]} {s // _BASH_ULIMIT[name][1]}" for name, (s, h) in values.items() if s != h]
+    commands = [f"ulimit -HS {' '.join(hard)}"] if hard else []
+    commands += [f"ulimit -S {' '.join(soft)}"] if soft else []
+    return "; ".join(commands)
 
 
 class SandboxCgroup:
@@ -217,15 +239,6 @@ _NAMESPACES = (
 _NS_GET_USERNS = 0xB701  # ioctl: the user namespace that owns a namespace
 _PR_SET_PDEATHSIG = 1
 _PR_CAPBSET_DROP = 24
-_RLIMIT_NAMES = {
-    "as": resource.RLIMIT_AS,
-    "core": resource.RLIMIT_CORE,
-    "cpu": resource.RLIMIT_CPU,
-    "fsize": resource.RLIMIT_FSIZE,
-    "nproc": resource.RLIMIT_NPROC,
-}
-
-
 def join_argv(python: str, request: Mapping[str, Any]) -> list[str]:
     """Command line of the join helper for `request` (see `_join_and_exec` for its keys). The request travels
     marshalled (json's import alone would double the helper's start-up time)."""

@@ -13,9 +13,11 @@ answer, the shell is restarted. So is a command whose output passes `max_drained
 (~50 MB/s), and what is kept is capped anyway.
 
 Spawning is fork-safe in a threaded process: the pty comes from `os.openpty()`, the child from `subprocess.Popen`
-(fork/exec in C, no Python between them), and util-linux `setsid --ctty` makes the child a session leader with
-the pty as its controlling terminal, so Ctrl-C reaches the foreground job. (`pty.fork()`, which `ptyprocess`
-uses, runs Python in the forked child, which can deadlock when other threads held locks at the fork.)
+(fork/exec in C, no Python between them), and the child must be a session leader with the pty as its controlling
+terminal, so that Ctrl-C reaches the foreground job. (`pty.fork()`, which `ptyprocess` uses, runs Python in the
+forked child, which can deadlock when other threads held locks at the fork.) How the child gets there is the
+`ShellLauncher`'s business: by default util-linux `setsid --ctty`; a sandbox backend may do it in its own start-up
+chain instead, and also says which processes belong to the shell and which exits mean the sandbox is gone.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from nemo_gym_prorl.sandbox.base import ExecResult, SandboxError
 from nemo_gym_prorl.sandbox.limits import OutputCap
 
 _SETUP = (
-    "stty -echo -onlcr 2>/dev/null; PS1=''; PS2=''; PS0=''; PROMPT_COMMAND=''; unset HISTFILE; set +o history +m; "
+    "PS1=''; PS2=''; PS0=''; PROMPT_COMMAND=''; unset HISTFILE; set +o history +m; "
     "ulimit -S -c 0; bind 'set enable-bracketed-paste off' 2>/dev/null; "
 )
 _RESET_NOTE = "[new shell (the previous one exited or hung): cwd, variables and background processes were reset]"
@@ -108,17 +110,51 @@ class _Capture:
             self.flooded.set_result(None)
 
 
+class ShellLauncher:
+    """How a shell's process starts on its pty, which processes belong to it, and which of its exits mean that the
+    sandbox it ran in is gone.
+
+    This default runs `argv` under `setsid --ctty`, counts the processes of its session as its own, and takes
+    every exit as one a new shell may recover from (the next command starts one). `setup`: bash commands each new
+    shell runs first, before any command it is given.
+    """
+
+    setup = ""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        self.argv = list(argv)
+        self.env = dict(env) if env is not None else None
+
+    def spawn(self, tty: int) -> subprocess.Popen[bytes]:
+        """Start the process with `tty` (the pty's slave end) as stdin, stdout, stderr and controlling terminal."""
+        setsid = shutil.which("setsid") or "/usr/bin/setsid"
+        return subprocess.Popen(
+            [setsid, "--ctty", *self.argv], stdin=tty, stdout=tty, stderr=tty, env=self.env, close_fds=True
+        )
+
+    def members(self, pid: int) -> set[int]:
+        """The processes to kill before the leader `pid` when the shell is torn down."""
+        return _session_members(pid) - {pid}
+
+    def lost(self, returncode: int) -> str | None:
+        """Why the sandbox is gone, when the leader ended by itself with `returncode` (as `subprocess` reports it:
+        negative for a signal); None when a new shell may take over."""
+        return None
+
+
 class PtyShell:
     """A bash started from `argv` in a pty; `run()` executes commands in it one at a time.
 
-    `control_dir` is a host directory that the shell sees at `control_dir_inside` (the same path by default);
-    command files are written there. The shell is restarted transparently after it exits or hangs, and `close()`
-    kills it and every process of its session.
+    `argv` is the shell's command line, started by the default `ShellLauncher` with `env`, or a launcher of its
+    own. `control_dir` is a host directory that the shell sees at `control_dir_inside` (the same path by default);
+    command files are written there. The shell is restarted transparently after it exits or hangs, unless the
+    launcher says its exit means the sandbox is gone: then this and every later call raises `SandboxError`.
+    `close()` kills the shell and every process of its session.
     """
 
     def __init__(
         self,
-        argv: Sequence[str],
+        argv: Sequence[str] | ShellLauncher,
         control_dir: str | Path,
         control_dir_inside: str | None = None,
         *,
@@ -129,10 +165,9 @@ class PtyShell:
         start_timeout_s: float = 10.0,
         dimensions: tuple[int, int] = (24, 200),
     ) -> None:
-        self._argv = list(argv)
+        self._launcher = argv if isinstance(argv, ShellLauncher) else ShellLauncher(argv, env)
         self._control_dir = Path(control_dir)
         self._control_inside = control_dir_inside or str(self._control_dir)
-        self._env = dict(env) if env is not None else None
         self._max_output = max_output_bytes
         self._max_drained = max(max_drained_bytes, max_output_bytes)
         self._grace_s = grace_s
@@ -149,6 +184,8 @@ class PtyShell:
         self._dirty = False
         self._replaced = False  # a shell was replaced outside run() (by start()): the next run says so
         self._closed = False
+        self._exited_by_itself = False  # the current shell's process ended without our teardown
+        self._lost: str | None = None  # why the sandbox is gone (the launcher's verdict on an exit), if it is
 
     @property
     def pid(self) -> int | None:
@@ -206,6 +243,8 @@ class PtyShell:
                     )
                 else:
                     await self._teardown()
+                    if self._lost is not None:
+                        raise SandboxError(self._lost)
                     exit_code = None if self._closed else self._exit_status
                     notes.append(
                         "[the shell was closed while the command ran]"
@@ -234,9 +273,12 @@ class PtyShell:
     # -- process lifecycle -------------------------------------------------------------------------------------
 
     async def _ensure_shell(self) -> bool:
-        """Spawn a shell if none runs (reaping one that exited meanwhile); True when it replaced an earlier one."""
+        """Spawn a shell if none runs (reaping one that exited meanwhile); True when it replaced an earlier one.
+        Raises SandboxError instead once an exit meant that the sandbox is gone."""
         if self._proc is not None and self._gone():
             await self._teardown()
+        if self._lost is not None:
+            raise SandboxError(self._lost)
         if self._proc is not None:
             return False
         had_shell = self._seq > 0
@@ -244,16 +286,18 @@ class PtyShell:
         return had_shell
 
     async def _spawn(self) -> None:
-        proc = _PtyChild.spawn(self._argv, self._env, self._dimensions)
+        proc = _PtyChild.spawn(self._launcher, self._dimensions)
         loop = asyncio.get_running_loop()
         os.set_blocking(proc.fd, False)
         self._proc, self._pidfd, self._teardown_task, self._exit_status = proc, os.pidfd_open(proc.pid), None, None
+        self._exited_by_itself = False
         loop.add_reader(proc.fd, self._on_readable)
         loop.add_reader(self._pidfd, self._on_process_exit)
-        ok, output = await self._sync(_SETUP.encode(), self._start_timeout_s)
+        setup = _SETUP + (self._launcher.setup + "; " if self._launcher.setup else "")
+        ok, output = await self._sync(setup.encode(), self._start_timeout_s)
         if not ok:
             await self._teardown()
-            raise SandboxError(f"shell did not start ({' '.join(self._argv)}): {output.strip()!r}")
+            raise SandboxError(f"shell did not start ({' '.join(self._launcher.argv)}): {output.strip()!r}")
         self._dirty = False
 
     async def _interrupt(self) -> str | None:
@@ -295,7 +339,7 @@ class PtyShell:
         to it. Under bwrap `--as-pid-1` the inner bash is such a member; its death takes its pid namespace along.
         """
         self._detach()
-        members = _session_members(proc.pid) - {proc.pid}
+        members = self._launcher.members(proc.pid)
         _kill_all(members)
         loop = asyncio.get_running_loop()
         leader_exited = loop.create_future()  # a sandbox's leader (bwrap) exits once its members are gone
@@ -307,7 +351,7 @@ class PtyShell:
                 lambda: self._reap(proc) or not any(_exists(p) for p in members), _KILL_WAIT_S, leader_exited
             )
             if not self._reap(proc):
-                _kill_all({proc.pid} | _session_members(proc.pid))
+                _kill_all({proc.pid} | self._launcher.members(proc.pid))
                 await _poll_until(lambda: self._reap(proc), _KILL_WAIT_S, leader_exited)
         finally:
             if pidfd is not None:
@@ -322,6 +366,8 @@ class PtyShell:
         if code is None:
             return False
         self._exit_status = code if code >= 0 else None
+        if self._exited_by_itself and not self._closed and self._lost is None:
+            self._lost = self._launcher.lost(code)
         return True
 
     # -- pty I/O -----------------------------------------------------------------------------------------------
@@ -356,7 +402,8 @@ class PtyShell:
             return
         except OSError:  # EIO: every slave end is closed
             data = b""
-        if not data:
+        if not data:  # every slave end is closed: the shell's process is gone
+            self._exited_by_itself = True
             self._detach()
         elif self._capture is not None:
             self._capture.feed(data)
@@ -373,6 +420,7 @@ class PtyShell:
                 break
             if self._capture is not None:
                 self._capture.feed(data)
+        self._exited_by_itself = True
         self._detach()
 
     def _detach(self) -> None:
@@ -397,8 +445,7 @@ class _PtyChild:
         self.pid = popen.pid
 
     @classmethod
-    def spawn(cls, argv: Sequence[str], env: Mapping[str, str] | None, dimensions: tuple[int, int]) -> _PtyChild:
-        setsid = shutil.which("setsid") or "/usr/bin/setsid"
+    def spawn(cls, launcher: ShellLauncher, dimensions: tuple[int, int]) -> _PtyChild:
         master, slave = os.openpty()
         try:
             attrs = termios.tcgetattr(slave)
@@ -406,12 +453,13 @@ class _PtyChild:
             attrs[3] &= ~termios.ECHO  # lflag: the shell's input is not echoed back
             termios.tcsetattr(slave, termios.TCSANOW, attrs)
             fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", *dimensions, 0, 0))
-            popen = subprocess.Popen(
-                [setsid, "--ctty", *argv], stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True
-            )
+            popen = launcher.spawn(slave)
         except OSError as e:
             os.close(master)
-            raise SandboxError(f"cannot start shell {argv[0]!r}: {e}") from e
+            raise SandboxError(f"cannot start shell {launcher.argv[0]!r}: {e}") from e
+        except BaseException:
+            os.close(master)
+            raise
         finally:
             os.close(slave)
         return cls(popen, master)
