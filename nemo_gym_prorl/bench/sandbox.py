@@ -7,10 +7,13 @@ image's rootfs), ours-apptainer (`ApptainerSandbox`, its SIF) and NeMo Gym's own
 turns, round after round. Goals: bwrap <= 30 ms and Apptainer <= 0.6 s (p50).
 
 (b) An SWE-style init, done inside a bwrap sandbox on the default image: check out a repository of a few hundred
-files (a package and its tests, written by a generator script: the stand-in for `git clone`), commit it to git,
-make a virtual environment and install the package into it in editable mode (the `.pth` file `pip install -e`
-writes; the image has no pip), byte-compile it (`compileall`, on every CPU, as installers do) and import it. A
-sample is ready when, in its own sandbox, `git status` of the repository is clean and the package imports.
+files (a package with a C extension, and its tests, written by a generator script: the stand-in for `git clone`),
+commit it to git, make a virtual environment and install the package into it in editable mode (the `.pth` file
+`pip install -e` writes; the image has no pip), build its extension in place (`make -j` on every CPU, as
+`build_ext --inplace -j` does: gcc, -O2, against Python's headers), byte-compile it (`compileall`, on every CPU,
+as installers do) and import it. A sample is ready when, in its own sandbox, `git status` of the repository is
+clean, the package imports and its extension answers. `--native-modules 0` leaves the extension out (a pure-Python
+package: a lighter init, mostly one process at a time, so fresh inits overlap better and forking gains less).
 Fresh: 8 sandboxes each start and do the whole init, all at once (the service's init stage runs 8 at a time).
 Forked: one sandbox does the init, then `fork(8, close=True)` hands its workspace to 8 copy-on-write forks. Timed:
 from the first start until all 8 are ready (closing is not counted on either side); also the CPU time the group
@@ -115,10 +118,11 @@ async def lifecycles(rootfs: str, sif: str, rounds: int) -> None:
 
 MAKE_REPO = '''
 import os, sys, textwrap
-root, n_files = sys.argv[1], int(sys.argv[2])
+root, n_files, n_native = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 modules = n_files // 2
 os.makedirs(f"{root}/src/benchpkg")
 os.makedirs(f"{root}/tests")
+os.makedirs(f"{root}/native")
 def write(path, text):
     with open(f"{root}/{path}", "w") as f:
         f.write(textwrap.dedent(text).lstrip())
@@ -130,7 +134,7 @@ write("pyproject.toml", """
     where = ["src"]
 """)
 write("README.md", "# benchpkg\\n\\nA package of generated modules.\\n")
-write(".gitignore", "__pycache__/\\n*.pyc\\n")
+write(".gitignore", "__pycache__/\\n*.pyc\\nbuild/\\n*.so\\n")
 write("src/benchpkg/__init__.py", "".join(f"from benchpkg import mod_{i}\\n" for i in range(0, modules, 25)))
 for i in range(modules):
     write(f"src/benchpkg/mod_{i}.py", f"""
@@ -197,10 +201,60 @@ for i in range(modules):
                 state, budget = step_{i}(state, budget)
             assert budget == 0
     """)
+
+# The C extension benchpkg._native: n_native sources of 40 small loops each, one function per source exported.
+write("Makefile", """
+    PY ?= python3
+    INCLUDE := $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+    SUFFIX := $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+    OBJECTS := $(patsubst native/%.c,build/%.o,$(wildcard native/*.c))
+    src/benchpkg/_native$(SUFFIX): $(OBJECTS)
+    \\t$(CC) -shared -o $@ $^
+    build/%.o: native/%.c | build
+    \\t$(CC) -O2 -fPIC -I$(INCLUDE) -c $< -o $@
+    build:
+    \\tmkdir -p build
+""")
+for i in range(n_native):
+    loops = "".join(f"""
+        static long f_{i}_{j}(long x) {{
+            long acc = {j + 1};
+            for (long k = 0; k < x; k++) {{
+                acc = (acc * {31 + j} + k) % 1000003;
+                if (acc & 1) acc ^= k << {j % 7 + 1};
+                else acc += (k * k) % {j + 3};
+            }}
+            return acc;
+        }}
+    """ for j in range(40))
+    total = " + ".join(f"f_{i}_{j}(x)" for j in range(40))
+    write(f"native/part_{i}.c", f"""
+        #define PY_SSIZE_T_CLEAN
+        #include <Python.h>
+        {loops}
+        PyObject *native_{i}(PyObject *self, PyObject *arg) {{
+            long x = PyLong_AsLong(arg);
+            if (x == -1 && PyErr_Occurred()) return NULL;
+            return PyLong_FromLong({total});
+        }}
+    """)
+if n_native:
+    declarations = "".join(f"PyObject *native_{i}(PyObject *, PyObject *);\\n" for i in range(n_native))
+    methods = "".join(f'{{"f{i}", native_{i}, METH_O, NULL}},\\n' for i in range(n_native))
+    write("native/module.c", f"""
+        #define PY_SSIZE_T_CLEAN
+        #include <Python.h>
+        {declarations}
+        static PyMethodDef methods[] = {{
+        {methods}{{NULL, NULL, 0, NULL}}
+        }};
+        static struct PyModuleDef module = {{PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods}};
+        PyMODINIT_FUNC PyInit__native(void) {{ return PyModule_Create(&module); }}
+    """)
 '''
 
 STAGE = """set -e
-python3 /workspace/.stage/make_repo.py /workspace/repo {files}
+python3 /workspace/.stage/make_repo.py /workspace/repo {files} {native}
 cd /workspace/repo
 git init -q
 git add -A
@@ -208,25 +262,42 @@ git -c user.name=bench -c user.email=bench@example.invalid commit -q -m 'initial
 python3 -m venv --without-pip /workspace/.venv
 site=$(/workspace/.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo /workspace/repo/src > "$site/benchpkg.pth"
+if [ {native} -gt 0 ]; then make -s -j"$(nproc)" PY=/workspace/.venv/bin/python; fi
 /workspace/.venv/bin/python -m compileall -q -j 0 src tests
 /workspace/.venv/bin/python -c 'import benchpkg.mod_0'
 echo staged
 """
 
-READY = "cd /workspace/repo && git status --porcelain && ../.venv/bin/python -c 'import benchpkg.mod_1' && echo ready"
+READY = (
+    "cd /workspace/repo && git status --porcelain && ../.venv/bin/python -c 'import benchpkg.mod_1' && "
+    "if [ {native} -gt 0 ]; then ../.venv/bin/python -c 'from benchpkg import _native; _native.f0(100)'; fi && "
+    "echo ready"
+)
 
 
-async def init(sandbox: BwrapSandbox, files: int) -> None:
+@dataclass(frozen=True)
+class Workload:
+    """The SWE-style repository: `files` Python files (modules and their tests) and `native` C sources."""
+
+    files: int
+    native: int
+
+    def describe(self) -> str:
+        extension = f", a C extension of {self.native} sources built with make -j" if self.native else ""
+        return f"{self.files} files{extension}: git commit, venv, editable install, compileall"
+
+
+async def init(sandbox: BwrapSandbox, workload: Workload) -> None:
     """Start `sandbox` and stage the SWE-style workspace in it."""
     await sandbox.start()
     await sandbox.write_file(".stage/make_repo.py", MAKE_REPO.encode())
-    result = await sandbox.run(STAGE.format(files=files), 600)
+    result = await sandbox.run(STAGE.format(files=workload.files, native=workload.native), 600)
     if result.exit_code != 0 or not result.output.endswith("staged\n"):
         raise RuntimeError(f"staging failed (exit {result.exit_code}):\n{result.output}")
 
 
-async def check_ready(sandbox: Sandbox) -> None:
-    result = await sandbox.run(READY, 120)
+async def check_ready(sandbox: Sandbox, workload: Workload) -> None:
+    result = await sandbox.run(READY.format(native=workload.native), 120)
     if result.output != "ready\n":
         raise RuntimeError(f"sample not ready (exit {result.exit_code}):\n{result.output}")
 
@@ -244,7 +315,7 @@ class GroupRun:
     init_s: float = 0.0
 
 
-async def fresh_group(spec: SandboxSpec, group: int, files: int) -> float:
+async def fresh_group(spec: SandboxSpec, group: int, workload: Workload) -> float:
     async with contextlib.AsyncExitStack() as stack:
         sandboxes = [BwrapSandbox(spec) for _ in range(group)]
         for sandbox in sandboxes:
@@ -252,25 +323,25 @@ async def fresh_group(spec: SandboxSpec, group: int, files: int) -> float:
         started = time.perf_counter()
 
         async def sample(sandbox: BwrapSandbox) -> None:
-            await init(sandbox, files)
-            await check_ready(sandbox)
+            await init(sandbox, workload)
+            await check_ready(sandbox, workload)
 
         await asyncio.gather(*(sample(s) for s in sandboxes))
         return time.perf_counter() - started
 
 
-async def forked_group(spec: SandboxSpec, group: int, files: int) -> tuple[float, float]:
+async def forked_group(spec: SandboxSpec, group: int, workload: Workload) -> tuple[float, float]:
     """(seconds until all are ready, seconds of which the one init took)."""
     async with contextlib.AsyncExitStack() as stack:
         parent = BwrapSandbox(spec)
         stack.push_async_callback(parent.close)
         started = time.perf_counter()
-        await init(parent, files)
+        await init(parent, workload)
         staged = time.perf_counter()
         forks = await parent.fork(group, close=True)
         for fork in forks:
             stack.push_async_callback(fork.close)
-        await asyncio.gather(*(check_ready(f) for f in forks))
+        await asyncio.gather(*(check_ready(f, workload) for f in forks))
         return time.perf_counter() - started, staged - started
 
 
@@ -281,18 +352,18 @@ async def measured(side: Callable[[], Awaitable[GroupRun]]) -> GroupRun:
     return run
 
 
-async def fork_groups(rootfs: str, group: int, files: int, rounds: int) -> None:
+async def fork_groups(rootfs: str, group: int, workload: Workload, rounds: int) -> None:
     spec = SandboxSpec(image=rootfs)
 
     async def fresh() -> GroupRun:
-        return GroupRun(await fresh_group(spec, group, files))
+        return GroupRun(await fresh_group(spec, group, workload))
 
     async def forked() -> GroupRun:
-        ready, init_s = await forked_group(spec, group, files)
+        ready, init_s = await forked_group(spec, group, workload)
         return GroupRun(ready, init_s=init_s)
 
     fresh_runs, forked_runs = [], []
-    print(f"(b) GRPO group of {group}, SWE-style init ({files} files: git commit, venv, editable install, compileall):")
+    print(f"(b) GRPO group of {group}, SWE-style init ({workload.describe()}):")
     for r in range(rounds):
         order = (fresh, forked) if r % 2 == 0 else (forked, fresh)
         runs = {side: await measured(side) for side in order}
@@ -317,21 +388,23 @@ async def fork_groups(rootfs: str, group: int, files: int, rounds: int) -> None:
     print(f"fork ratio (fresh / forked, time until all {group} ready): {fresh_s / forked_s:.1f}x (goal >= 5x)")
 
 
-async def _run(rounds: int, group: int, files: int, fork_rounds: int, skip_lifecycle: bool) -> None:
+async def _run(rounds: int, group: int, workload: Workload, fork_rounds: int, skip_lifecycle: bool) -> None:
     rootfs, sif = default_images()
     if not skip_lifecycle:
         await lifecycles(rootfs, sif, rounds)
-    await fork_groups(rootfs, group, files, fork_rounds)
+    await fork_groups(rootfs, group, workload, fork_rounds)
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="prorl bench sandbox")
     parser.add_argument("--rounds", type=int, default=20, help="start/command/close cycles per side")
     parser.add_argument("--group", type=int, default=8, help="samples per GRPO group")
-    parser.add_argument("--files", type=int, default=400, help="files in the staged repository")
+    parser.add_argument("--files", type=int, default=400, help="Python files in the staged repository")
+    parser.add_argument("--native-modules", type=int, default=16, help="C sources of its extension (0: none)")
     parser.add_argument("--fork-rounds", type=int, default=3, help="fresh-vs-forked group comparisons")
     parser.add_argument("--skip-lifecycle", action="store_true", help="only (b)")
     args = parser.parse_args(argv)
-    if args.rounds < 2 or args.fork_rounds < 1:
-        parser.error("--rounds must be >= 2 and --fork-rounds >= 1")
-    asyncio.run(_run(args.rounds, args.group, args.files, args.fork_rounds, args.skip_lifecycle))
+    if args.rounds < 2 or args.fork_rounds < 1 or args.native_modules < 0:
+        parser.error("--rounds must be >= 2, --fork-rounds >= 1 and --native-modules >= 0")
+    workload = Workload(args.files, args.native_modules)
+    asyncio.run(_run(args.rounds, args.group, workload, args.fork_rounds, args.skip_lifecycle))

@@ -39,10 +39,14 @@ DEFAULT_PACKAGES: tuple[str, ...] = (
     "git",
     "patch",
     "make",
+    "gcc",
+    "libc6-dev",
+    "python3-dev",
     "procps",
     "less",
 )
-"""Math (python3 with numpy), code (pytest) and SWE (git, patch, make) tasks, and a usable shell. The backends also
+"""Math (python3 with numpy), code (pytest) and SWE (git, patch, make, and a C compiler with Python's headers for
+repositories whose install builds C extensions) tasks, and a usable shell. The backends also
 rely on coreutils' `env` and util-linux's `setpriv` and `prlimit`, which every Debian minbase holds."""
 
 MANIFEST = "etc/prorl-image.json"
