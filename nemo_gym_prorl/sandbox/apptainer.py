@@ -167,7 +167,7 @@ class ApptainerSandbox(SandboxLifecycle):
         self._workspace: Path | None = None
         self._control: Path | None = None
         self._shell: PtyShell | None = None
-        self._starting: asyncio.subprocess.Process | None = None
+        self._starting: subprocess.Popen[bytes] | None = None
         self._execs: set[_Program] = set()
         self._init_fd: int | None = None
         self._monitor_fd: int | None = None
@@ -325,17 +325,18 @@ class ApptainerSandbox(SandboxLifecycle):
             argv += ["--bind", f"{_bind_path(bind.source)}:{_bind_path(bind.target)}:{'rw' if bind.writable else 'ro'}"]
         argv += [image, self.name]
         # Run to completion even if our caller is cancelled meanwhile: close() waits for it, then stops the
-        # instance, so a half-started instance is never left behind.
+        # instance, so a half-started instance is never left behind. Spawned without an await in between, so that
+        # no cancellation can land after the process exists and before close() can see it.
         self._instance_requested = True
-        self._starting = await asyncio.create_subprocess_exec(
-            *argv,
+        self._starting = starting = subprocess.Popen(
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=_host_env(),
             start_new_session=True,
         )
-        out, _ = await asyncio.shield(self._starting.communicate())
+        out, _ = await asyncio.shield(asyncio.to_thread(starting.communicate))
         if self._starting.returncode != 0:
             logs = [log.read_text(errors="replace") for log in _instance_logs(self.name) if log.suffix == ".err"]
             details = "\n".join(part.strip() for part in (*logs, out.decode(errors="replace")) if part.strip())
@@ -404,12 +405,13 @@ class ApptainerSandbox(SandboxLifecycle):
                 await self._shell.close()
             for program in list(self._execs):
                 program.kill()
-            if self._starting is not None and self._starting.returncode is None:
+            starting = self._starting
+            if starting is not None and starting.poll() is None:
                 try:
-                    await asyncio.wait_for(self._starting.wait(), _START_TIMEOUT_S)
-                except TimeoutError:
-                    _kill_session(self._starting.pid)
-                    await self._starting.wait()
+                    await asyncio.to_thread(starting.wait, _START_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    _kill_session(starting.pid)
+                    await asyncio.to_thread(starting.wait)
             await self._stop_instance()
         finally:
             for fd in (self._init_fd, self._monitor_fd):

@@ -100,8 +100,8 @@ class HostWorkspace:
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
-    """`shutil.rmtree`, also through the read-only directories a sandbox's processes may leave behind (which
-    matters when not running as root)."""
+    """`shutil.rmtree`, also through the directories without permissions a sandbox leaves behind (read-only ones
+    its processes made, overlayfs's mode-000 `work/work`), which only matters when not running as root."""
     shutil.rmtree(path, onexc=_make_writable_and_retry)
 
 
@@ -116,7 +116,15 @@ def _strip_root(path: str, roots: tuple[str, ...]) -> PurePosixPath:
     raise PathOutsideWorkspaceError(f"path {path!r} is outside {roots[0]}")
 
 
-def _make_writable_and_retry(func: Callable[[str], object], path: str, _exc: BaseException) -> None:
+def _make_writable_and_retry(_func: Callable[..., object], path: str, exc: BaseException) -> None:
+    """Give the owner full access to `path`'s directory (and to `path`, a directory) and remove `path` again."""
+    if isinstance(exc, FileNotFoundError):
+        return
     parent = os.path.dirname(path)
-    os.chmod(parent, os.stat(parent).st_mode | stat.S_IWUSR | stat.S_IXUSR)
-    func(path)
+    os.chmod(parent, os.stat(parent).st_mode | stat.S_IRWXU)
+    mode = os.lstat(path).st_mode
+    if stat.S_ISDIR(mode):
+        os.chmod(path, mode | stat.S_IRWXU)
+        shutil.rmtree(path, onexc=_make_writable_and_retry)
+    else:
+        os.unlink(path)
