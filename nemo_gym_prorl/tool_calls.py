@@ -48,6 +48,7 @@ class ParsedReply(BaseModel):
     content: str
     tool_calls: list[ToolCall] = Field(default_factory=list)
     error: str | None = None
+    no_call: bool = Field(False, description="the error is that the reply holds no tool call at all")
     final_answer: str | None = Field(None, description="set when the reply itself ends the episode (codeact)")
 
 
@@ -99,7 +100,9 @@ def parse_hermes(text: str) -> ParsedReply:
     if errors:
         return ParsedReply(content=content, tool_calls=calls, error="; ".join(errors))
     if not calls:
-        return ParsedReply(content=content, error="no tool call: call a tool with <tool_call>{...}</tool_call>")
+        return ParsedReply(
+            content=content, error="no tool call: call a tool with <tool_call>{...}</tool_call>", no_call=True
+        )
     return ParsedReply(content=content, tool_calls=calls)
 
 
@@ -120,7 +123,7 @@ def parse_openai_tool_calls(message: dict[str, Any]) -> ParsedReply:
     if errors:
         return ParsedReply(content=content, tool_calls=calls, error="; ".join(errors))
     if not calls:
-        return ParsedReply(content=content, error="no tool call")
+        return ParsedReply(content=content, error="no tool call", no_call=True)
     return ParsedReply(content=content, tool_calls=calls)
 
 

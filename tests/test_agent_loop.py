@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from nemo_gym_prorl.envs import make_environment
+from nemo_gym_prorl.envs.base import Episode
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.models.engine import SamplingParams
@@ -116,6 +117,27 @@ async def test_format_errors_are_recorded_per_turn_and_the_rollout_goes_on(math_
     assert trajectory.finish == "max_turns" and trajectory.num_format_errors == 3
     assert trajectory.critical_error is None and trajectory.evaluation["reason"] == "no answer submitted"
     assert contiguity_violation(turns) is None
+
+
+async def test_in_a_gym_environment_a_plain_reply_ends_the_episode_and_a_malformed_call_is_still_a_format_error(
+    math_task, tokenizer: Tokenizer
+) -> None:
+    # No reply here calls a tool, so the resources server (port 9, discard) is never contacted; the loop runs on a
+    # hand-made episode, as a seeded Gym session would give it.
+    task = math_task.model_copy(update={"type": "gym", "resources_server_url": "http://127.0.0.1:9"})
+    env = make_environment(task, "bwrap")
+    row = {"responses_create_params": {"input": [{"role": "user", "content": "What is 1 + 2?"}], "tools": []}}
+    episode = Episode(instance=TaskInstance(instance_id="g1", data=row), sandbox=None)
+    replies = ["<tool_call>{broken json</tool_call>", "x " * 200, "It is \\boxed{3}."]
+    model = ScriptedModel(tokenizer, replies, max_tokens=50)
+    try:
+        outcome = await agent(tokenizer, model, "hermes", max_turns=3).run(env, episode)
+    finally:
+        await env.aclose()
+    turns = [m for m in outcome.messages if m["role"] == "assistant"]
+    assert [t.get("format_error", "")[:20] for t in turns] == ["malformed tool call ", "reply cut at the max", ""]
+    assert (outcome.finish, outcome.num_format_errors) == ("answer", 2)
+    assert outcome.messages[-1] is turns[-1] and episode.answer == replies[-1]
 
 
 async def test_context_overflow_ends_the_rollout_cleanly(math_task, tokenizer: Tokenizer) -> None:

@@ -5,7 +5,9 @@
   and the reward is the server's `/verify` verdict, diagnostics included; a wrong answer gets the server's zero;
 - our `prorl_math` (bash / finish in a bubblewrap sandbox the server owns): the tools run in the server's
   sandbox and the finish answer is graded there, and the sandbox is gone after verify;
-- every assistant turn carries NeMo RL's token fields, contiguous across the rollout.
+- every assistant turn carries NeMo RL's token fields, contiguous across the rollout;
+- as in Gym's simple_agent, a reply without a tool call ends the episode and the server grades it;
+- stopping the service closes the environment's HTTP client.
 
 The servers are started the way Gym starts them, by `gym env start`, from a config naming only them.
 """
@@ -13,7 +15,9 @@ The servers are started the way Gym starts them, by `gym env start`, from a conf
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +35,7 @@ from nemo_gym_prorl.bench.throughput import (
     link_venvs,
     write_jsonl,
 )
+from nemo_gym_prorl.envs.gym_resources import GymResourcesEnvironment
 from nemo_gym_prorl.gym.processes import gym_env_start, gym_environ
 from nemo_gym_prorl.gym import PLUGIN_ROOT
 from nemo_gym_prorl.models.launcher import ModelServerProcess
@@ -175,6 +180,45 @@ async def test_a_sandboxed_gym_server_runs_the_tools_in_its_sandbox_and_grades_t
     server = psutil.Process(servers.pids["prorl_math"])
     assert not [p for p in server.children(recursive=True) if p.name() == "bwrap"], "verify left a sandbox"
 
+
+@pytest.mark.slow
+async def test_a_reply_without_a_tool_call_ends_a_gym_episode_and_the_server_grades_it(servers: Servers) -> None:
+    # The turn limit is well past the script (whose last reply, `\boxed{10}`, the stand-in then repeats): the
+    # episode must end at that reply, as Gym's simple_agent ends it, not run on with it fed back as a format error.
+    row = bench_row(0)
+    config = service_config(servers, "prorl_bench", [row], max_turns=len(SCRIPT) + 3)
+
+    [[trajectory]] = await run_jobs(config, [JobRequest(instance=row)])
+
+    assert trajectory.critical_error is None, trajectory.error
+    assert (trajectory.finish, trajectory.num_format_errors) == ("answer", 0)
+    last = trajectory.messages[-1]
+    assert last["role"] == "assistant" and last["content"].startswith(SCRIPT[-1]) and "format_error" not in last
+    check_token_fields(trajectory, turns=len(SCRIPT))
+    assert (trajectory.reward, trajectory.evaluation["reason"]) == (1.0, "correct")
+    assert trajectory.evaluation["answer"] == "10"
+
+
+@pytest.mark.slow
+async def test_stopping_the_service_closes_the_gym_environments_http_client(servers: Servers) -> None:
+    row = bench_row(0)
+    config = service_config(servers, "prorl_bench", [row], max_turns=len(SCRIPT))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with ServiceRuntime(config) as runtime:
+            orchestrator = runtime.orchestrator
+            assert orchestrator is not None
+            [env] = orchestrator.envs.values()
+            assert isinstance(env, GymResourcesEnvironment)
+            http = env.http
+            [trajectory] = (await orchestrator.wait(orchestrator.submit(JobRequest(instance=row)))).results
+            assert trajectory.reward == 1.0  # the client has talked to the server: its connection pool is live
+            assert not http.is_closed
+        assert http.is_closed
+        # Nothing is left for the garbage collector to find unclosed (aiohttp warns of an unclosed session there).
+        del runtime, orchestrator, env, http
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
 def test_prorl_bench_example_rows_are_the_benchmarks_rows() -> None:

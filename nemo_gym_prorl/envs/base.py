@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field
 
@@ -44,6 +44,10 @@ class Episode:
 
 
 class Environment(ABC):
+    # Whether an assistant reply without a tool call ends the episode as its answer (how NeMo Gym's agents end
+    # one) rather than being a format error the model is told about (how our tool-driven tasks treat it).
+    plain_reply_ends_episode: ClassVar[bool] = False
+
     def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap") -> None:
         self.task = task
         self.sandbox_backend = sandbox_backend
@@ -94,6 +98,9 @@ class Environment(ABC):
     async def close(self, episode: Episode) -> None:
         if episode.sandbox is not None:
             await episode.sandbox.close()
+
+    async def aclose(self) -> None:
+        """Release what the environment holds across episodes, when its owner shuts down. Nothing by default."""
 
     async def stage(self, episode: Episode) -> None:
         """Put what the task needs into the fresh sandbox. Nothing by default."""

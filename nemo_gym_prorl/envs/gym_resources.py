@@ -5,7 +5,7 @@ server's own fields). An episode is a Gym session: ``/seed_session`` with the ro
 Gym's agents do), each tool call a ``POST /<tool name>``, and grading ``/verify`` with the conversation as Gym
 Responses-API output. The resources server owns its sandboxes; this side holds none. Sessions seeded this way (Gym's legacy agent path,
 which every resources server accepts) have no close call: a cancelled episode's server-side state is the server's
-to expire.
+to expire. As in Gym's simple_agent, an assistant reply without a tool call ends the episode; ``/verify`` grades it.
 """
 
 from __future__ import annotations
@@ -47,12 +47,15 @@ def _content_text(content: Any) -> str:
 
 
 class GymResourcesEnvironment(Environment):
+    plain_reply_ends_episode = True
+
     def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap", http: httpx.AsyncClient | None = None) -> None:
         if not task.resources_server_url:
             raise ValueError(f"task {task.name!r}: a gym task needs resources_server_url")
         super().__init__(task, sandbox_backend)
         self.url = task.resources_server_url.rstrip("/")
-        self._http = http or httpx.AsyncClient(
+        self._owns_http = http is None  # a client passed in is its owner's to close
+        self.http = http or httpx.AsyncClient(
             transport=AiohttpTransport(), timeout=httpx.Timeout(task.tool_timeout_s + 30), trust_env=False
         )
 
@@ -80,12 +83,12 @@ class GymResourcesEnvironment(Environment):
         return chat_tools(self._params(instance).get("tools") or []) if instance is not None else []
 
     async def init(self, instance: TaskInstance) -> Episode:
-        response = await self._http.post(f"{self.url}/seed_session", json=instance.data)
+        response = await self.http.post(f"{self.url}/seed_session", json=instance.data)
         response.raise_for_status()
         return Episode(instance=instance, sandbox=None, session=dict(response.cookies))
 
     async def call_tool(self, episode: Episode, call: ToolCall) -> ToolOutput:
-        response = await self._http.post(
+        response = await self.http.post(
             f"{self.url}/{call.name}", json=call.arguments, headers=_cookie_header(episode.session)
         )
         if response.status_code == 404:
@@ -113,7 +116,7 @@ class GymResourcesEnvironment(Environment):
                 "tools": params.get("tools") or [],
             }
         }
-        response = await self._http.post(f"{self.url}/verify", json=body, headers=_cookie_header(submission["cookies"]))
+        response = await self.http.post(f"{self.url}/verify", json=body, headers=_cookie_header(submission["cookies"]))
         response.raise_for_status()
         verdict = response.json()
         reward = float(verdict["reward"])
@@ -122,3 +125,7 @@ class GymResourcesEnvironment(Environment):
 
     async def close(self, episode: Episode) -> None:
         """Nothing to release here: a Gym session seeded with a row (as Gym's own agents seed it) ends at verify."""
+
+    async def aclose(self) -> None:
+        if self._owns_http:
+            await self.http.aclose()

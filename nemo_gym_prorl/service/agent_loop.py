@@ -4,6 +4,9 @@ How a turn is generated (token-in/token-out or chat completions with token field
 business; the loop records on each assistant message exactly what the model saw and produced, and checks NeMo RL's
 contiguity rule as it goes: a turn whose prompt does not extend every earlier token is flagged and masked
 (``contiguity_error``, ``mask: true``), never silently kept.
+
+A reply without a tool call is a format error the model is told about, unless the environment ends episodes on
+such a reply (``Environment.plain_reply_ends_episode``, as NeMo Gym's agents do): then it is the episode's answer.
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ class AgentLoop:
                 outcome.finish = "context_length"
                 return outcome
             parsed = _parse(self.tool_format, turn)
+            if env.plain_reply_ends_episode and parsed.no_call:  # a malformed call stays a format error
+                parsed = parsed.model_copy(update={"error": None, "no_call": False, "final_answer": parsed.content})
             assistant = _assistant_message(turn, parsed, previous)
             error = parsed.error
             if turn.finish_reason == "length":

@@ -22,6 +22,9 @@ from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.service.orchestrator import JobRequest, JobView, Orchestrator
 from nemo_gym_prorl.service.trajectory import Trajectory
 
+# A connection that broke under a request: typically a keep-alive connection the server closed as it was reused.
+_DROPPED = (httpx.NetworkError, httpx.RemoteProtocolError)
+
 
 class ServiceError(Exception):
     """The service refused a request; `field` names what was wrong when it says."""
@@ -61,29 +64,65 @@ class RolloutClient:
     async def __aexit__(self, *exc: object) -> None:
         await self._http.aclose()
 
-    async def _call(self, method: str, path: str, body: Any = None) -> Any:
-        response = await self._http.request(method, path, json=body)
+    async def _request(
+        self, method: str, path: str, body: Any = None, retry: bool = False
+    ) -> tuple[httpx.Response, bool]:
+        """The response, and whether it answers a second attempt: with `retry` (only for requests that are safe to
+        repeat), a dropped connection is retried once."""
+        try:
+            return await self._http.request(method, path, json=body), False
+        except _DROPPED:
+            if not retry:
+                raise
+        return await self._http.request(method, path, json=body), True
+
+    async def _call(self, method: str, path: str, body: Any = None, retry: bool = False) -> Any:
+        response, _ = await self._request(method, path, body, retry)
         _raise_for_error(response)
         return response.json()
 
     async def submit(self, request: JobRequest) -> str:
-        return (await self._call("POST", "/jobs", request.model_dump(mode="json", exclude_none=True)))["job_id"]
+        """Submit a job. Only a job with a client `job_id` is resent after a dropped connection: the service
+        refuses a second job with that id, so a 409 then means the first attempt was accepted."""
+        body = request.model_dump(mode="json", exclude_none=True)
+        response, retried = await self._request("POST", "/jobs", body, retry=request.job_id is not None)
+        if retried and response.status_code == 409 and request.job_id is not None:
+            return request.job_id
+        _raise_for_error(response)
+        return response.json()["job_id"]
 
     async def get(self, job_id: str) -> JobView:
-        return JobView.model_validate(await self._call("GET", f"/jobs/{job_id}"))
+        return JobView.model_validate(await self._call("GET", f"/jobs/{job_id}", retry=True))
 
     async def cancel(self, job_id: str) -> JobView:
-        return JobView.model_validate(await self._call("POST", f"/jobs/{job_id}/cancel"))
+        # Cancelling a cancelled job changes nothing, so a dropped cancel is resent.
+        return JobView.model_validate(await self._call("POST", f"/jobs/{job_id}/cancel", retry=True))
 
     async def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]:
-        async with self._http.stream("GET", f"/jobs/{job_id}/stream") as response:
-            if response.status_code >= 400:
-                await response.aread()
-                _raise_for_error(response)
-            async for line in response.aiter_lines():
-                if line.strip():
-                    item = json.loads(line)
-                    yield item["sample"], Trajectory.model_validate(item["trajectory"])
+        """(sample, trajectory) as each finishes. A dropped stream is reopened once (again after each new result):
+        the service starts a stream with the results finished so far, and those already yielded are skipped."""
+        yielded: set[int] = set()
+        retried = False
+        while True:
+            try:
+                async with self._http.stream("GET", f"/jobs/{job_id}/stream") as response:
+                    if response.status_code >= 400:
+                        await response.aread()
+                        _raise_for_error(response)
+                    async for line in response.aiter_lines():
+                        if not line.strip():
+                            continue
+                        item = json.loads(line)
+                        if item["sample"] in yielded:
+                            continue
+                        yielded.add(item["sample"])
+                        retried = False
+                        yield item["sample"], Trajectory.model_validate(item["trajectory"])
+                return
+            except _DROPPED:
+                if retried:
+                    raise
+                retried = True
 
     async def wait(self, job_id: str) -> JobView:
         async for _ in self.stream(job_id):
@@ -95,7 +134,7 @@ class RolloutClient:
         return Trajectory.model_validate(await self._call("POST", "/process", body))
 
     async def status(self) -> dict[str, Any]:
-        return await self._call("GET", "/status")
+        return await self._call("GET", "/status", retry=True)
 
     async def add_llm_server(self, address: str) -> dict[str, Any]:
         return await self._call("POST", "/add_llm_server", {"address": address})

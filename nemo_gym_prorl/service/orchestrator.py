@@ -258,9 +258,13 @@ class Orchestrator:
                     await live.finished.wait()
 
     async def close(self) -> None:
-        """Stop the pipeline; rollouts it cuts short are not recorded, so a restart recovers their jobs."""
+        """Stop the pipeline (rollouts it cuts short are not recorded, so a restart recovers their jobs), then
+        release what the environments hold, once no rollout uses them."""
         self._closing = True
-        await self.pipeline.close()
+        try:
+            await self.pipeline.close()
+        finally:
+            await asyncio.gather(*(env.aclose() for env in self.envs.values()))
 
     # -- restart -------------------------------------------------------------------------------------------------
 
