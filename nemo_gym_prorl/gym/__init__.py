@@ -1,5 +1,6 @@
-"""NeMo Gym glue. This folder is a Gym plugin root: Gym finds `resources_servers/prorl_math/` and `env.yaml` here
-when it is on `NEMO_GYM_EXTRA_ROOTS` (or given with `--search-dir`). The modules beside them are what those
+"""NeMo Gym glue. This folder is a Gym plugin root: Gym finds `resources_servers/prorl_math/` (and the benchmark's
+`prorl_bench`), `responses_api_agents/prorl_service/` (a relay to a running `prorl serve`) and `env.yaml` here when
+it is on `NEMO_GYM_EXTRA_ROOTS` (or given with `--search-dir`). The modules beside them are what those
 servers share: dataset rows (`rows`), live episodes by session (`sessions`), submitted answers (`answers`) and the
 venv links that let Gym start servers offline (`venvs`). See README.md for the commands.
 """

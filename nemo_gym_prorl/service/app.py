@@ -6,7 +6,7 @@
 - Non-blocking jobs: ``POST /jobs`` → id; ``GET /jobs/{id}``; ``POST /jobs/{id}/cancel``; ``GET /jobs/{id}/stream``
   (NDJSON, one line per sample as it finishes).
 - ``POST /llm/pause`` / ``/llm/resume`` for weight sync; ``GET /metrics`` (Prometheus); the OpenAPI document.
-- NeMo Gym's agent ``POST /run`` lives in ``gym_agent.py``.
+- NeMo Gym's agent ``POST /run`` and ``/aggregate_metrics`` live in ``gym_agent.py``.
 
 Bad input is a 4xx whose message names the field; an accepted job is durable before its id is returned.
 """

@@ -1,25 +1,33 @@
-"""NeMo Gym's agent ``POST /run`` on the rollout service: a Gym dataset row in, a Gym verify response out.
+"""NeMo Gym's agent API on the rollout service: ``POST /run`` (a Gym dataset row in, a Gym verify response out) and
+``POST /aggregate_metrics`` (those verify responses in, Gym's run metrics out).
 
 NeMo RL's GRPO calls ``/run`` once per row and trains on the output items that carry ``prompt_token_ids``,
-``generation_token_ids`` and ``generation_log_probs`` (see ``gym.output_items``). The row's sampling parameters (``temperature``, ``top_p``, ``max_output_tokens``)
-pass through unchanged. Extra row keys (``_rowidx``, ``_ng_task_index``, …) are accepted; every call is a fresh
-rollout, so calling again for the same row is safe.
+``generation_token_ids`` and ``generation_log_probs`` (see ``gym.output_items``). The row's sampling parameters
+(``temperature``, ``top_p``, ``max_output_tokens``) pass through unchanged. Extra row keys (``_rowidx``,
+``_ng_task_index``, …) are accepted; every call is a fresh rollout, so calling again for the same row is safe.
+
+``gym eval run`` calls ``/aggregate_metrics`` once its rollouts are written, with each verify response stripped of
+``response`` and ``responses_create_params``; the answer is Gym's ``AggregateMetrics``, computed by Gym's own
+``compute_aggregate_metrics`` as its ``SimpleResponsesAPIAgent`` does. Verify responses Gym cannot aggregate (two
+with the same task and repeat index, say) are a 422.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
-from fastapi import FastAPI
-from nemo_gym.base_resources_server import BaseVerifyResponse
+from fastapi import FastAPI, HTTPException
+from nemo_gym.base_resources_server import AggregateMetrics, AggregateMetricsRequest, BaseVerifyResponse
 from nemo_gym.failure_kinds import AGENT_RUN_ERROR, AGENT_TIMEOUT, CANCELLED, PROVIDER_UNAVAILABLE, VERIFIER_ERROR
+from nemo_gym.reward_profile import compute_aggregate_metrics
 from pydantic import BaseModel, ConfigDict, Field
 
+from nemo_gym_prorl.gym.output_items import gym_output_items
 from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.service.app import bearer_guard
 from nemo_gym_prorl.service.orchestrator import JobRequest, Orchestrator
-from nemo_gym_prorl.gym.output_items import gym_output_items
 from nemo_gym_prorl.service.trajectory import Trajectory
 
 _FAILURE_KINDS = {
@@ -91,3 +99,11 @@ def add_gym_agent_routes(app: FastAPI, orchestrator: Orchestrator, token: str | 
         )
         view = await orchestrator.wait(job_id)
         return gym_verify_response(row, view.results[0], orchestrator.model.name)
+
+    @app.post("/aggregate_metrics", dependencies=[bearer_guard(token)])
+    async def aggregate_metrics(body: AggregateMetricsRequest) -> AggregateMetrics:
+        # Gym's profiler (pandas) is CPU-bound over a whole run's rollouts: off the loop the pipeline runs on.
+        try:
+            return await asyncio.to_thread(compute_aggregate_metrics, body.verify_responses)
+        except Exception as e:  # the items are free-form dicts; what Gym's profiler cannot take is a bad request
+            raise HTTPException(422, f"verify_responses: Gym cannot aggregate them: {type(e).__name__}: {e}") from e
