@@ -169,13 +169,19 @@ def tiny_rootfs(root: Path) -> Path:
     return rootfs
 
 
-async def test_image_rootfs_replaces_the_host(shared_tmp: Path) -> None:
+@pytest.mark.parametrize("mount_points", [False, True], ids=["entry-by-entry", "image-as-root"])
+async def test_image_rootfs_replaces_the_host(shared_tmp: Path, mount_points: bool) -> None:
+    """A rootfs with a directory for each mount point (as `prorl image build` makes them) is mounted as `/`
+    itself; one without, entry by entry. The sandbox looks the same."""
     rootfs = tiny_rootfs(shared_tmp)
+    for target in ("proc", "dev", "tmp", "workspace", ".prorl") if mount_points else ():
+        (rootfs / target).mkdir()
     async with BwrapSandbox(SandboxSpec(image=str(rootfs))) as sandbox:
         assert (await sandbox.run("cat /etc/os-release; id -un; ls /usr/bin", 5)).output.split() == [
             "ID=tiny", "imageuser", "bash", "cat", "id", "ls", "sleep", "touch",
         ]  # fmt: skip
         assert (await sandbox.run("touch /etc/x", 5)).exit_code != 0
+        assert (await sandbox.run("touch /x", 5)).exit_code != 0
         assert (await sandbox.run("touch /workspace/x /tmp/x && ls /workspace", 5)).output == "x\n"
         assert (await sandbox.exec(["cat", "/etc/os-release"], 5)).output == "ID=tiny\n"
 

@@ -3,7 +3,9 @@
 Layout inside. `spec.image` None: the host's `/usr` and `/etc` read-only (`/bin`, `/sbin`, `/lib`, `/lib64` link into
 /usr), with everything under /etc that other host users may not read hidden, plus the usual credential files
 (ssh, pip/npm/apt credentials, sudoers, ...), and /etc/passwd, group, hosts and hostname replaced by the
-sandbox's own. A directory image: each top-level entry of that rootfs read-only. Either way a fresh `/proc`,
+sandbox's own. A directory image: that rootfs read-only as `/` (one mount, ~2.5 ms less to start than one per
+entry) when it has a directory for everything mounted over it; otherwise each of its top-level entries read-only
+(bwrap makes the missing mount points in its own root). Either way a fresh `/proc`,
 `/dev`, a size-capped `/tmp` and `/dev/shm`, the workspace read-write at /workspace, the shell's control dir
 read-only at /.prorl, and `spec.binds`. Nothing else of the host is there: no /home, /root, /run, /sys, /var, no
 checkout.
@@ -293,7 +295,9 @@ class BwrapSandbox(SandboxLifecycle):
             if not PurePosixPath(bind.target).is_absolute():
                 raise SandboxError(f"bind target {bind.target!r} is not an absolute path")
             argv += ["--bind" if bind.writable else "--ro-bind", bind.source, bind.target]
-        argv += ["--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]  # "/" itself is bwrap's tmpfs
+        if not self._image_is_root():
+            argv += ["--remount-ro", "/"]  # "/" itself is bwrap's tmpfs
+        argv += ["--chdir", WORKSPACE, "--clearenv"]
         for key, value in self._env().items():
             argv += ["--setenv", key, value]
         return [*argv, "--", *_SHELL]
@@ -318,6 +322,8 @@ class BwrapSandbox(SandboxLifecycle):
             os.path.join(image, "usr/bin/bash")
         ):
             raise SandboxError(f"image {image!r} has no bash (/bin/bash), which the sandbox's shell needs")
+        if self._image_is_root():
+            return ["--ro-bind", image, "/"]
         args = []
         for entry in sorted(os.scandir(image), key=lambda e: e.name):
             if entry.name in ("proc", "dev", "tmp", "sys", "workspace", CONTROL_DIR.lstrip("/")):
@@ -327,6 +333,15 @@ class BwrapSandbox(SandboxLifecycle):
             else:
                 args += ["--ro-bind", entry.path, f"/{entry.name}"]
         return args
+
+    def _image_is_root(self) -> bool:
+        """Whether the image can be `/` itself: it has a directory for each mount point over it (a read-only
+        tree cannot grow them)."""
+        image = self.spec.image
+        if image is None:
+            return False
+        targets = ["/proc", "/dev", "/tmp", WORKSPACE, CONTROL_DIR, *(bind.target for bind in self.spec.binds)]
+        return all(os.path.isdir(os.path.join(image, target.lstrip("/"))) for target in targets)
 
     def _check_reachable(self, path: str) -> None:
         """As root, bwrap runs as uid 65534 and can bind only what other users may reach: say so before it fails."""
