@@ -71,6 +71,7 @@ class StandIn:
         self.fail_status = 500
         self.refusal: str | None = None  # completions answer 400 with this message
         self.completions = 0
+        self.models_down = False  # /v1/models (the health probe) answers 503
         self.port = 0
         self._stopping = asyncio.Event()
         self._server: _InProcessServer | None = None
@@ -82,6 +83,8 @@ class StandIn:
 
     def _app(self) -> Starlette:
         async def models(request: Request) -> Response:
+            if self.models_down:
+                return JSONResponse({"error": {"message": "starting"}}, 503)
             return JSONResponse({"object": "list", "data": [{"id": self.name}]})
 
         async def complete(request: Request) -> Response:
@@ -401,14 +404,15 @@ async def test_request_failures_eject_a_backend_until_a_probe_readmits_it(
     stand_in: Callable[[str], Awaitable[StandIn]],
 ) -> None:
     a = await stand_in("a")
-    a.fail_next = 2
+    a.fail_next, a.models_down = 2, True
     async with LLMPool(config(failures_to_eject=2, max_retries=5), [a.address]) as pool:
         task = asyncio.create_task(pool.post("t", "/completions", {}))
         await eventually(lambda: pool.waiting == 1)  # after its second failure, with nothing healthy left
-        assert not state(pool, a).healthy and a.completions == 2
+        assert not state(pool, a).healthy and a.completions == 2  # the probes on demand fail too
+        a.models_down = False
         await pool.check_health()  # /v1/models answers: re-admitted, and the waiting request goes on
         assert (await asyncio.wait_for(task, WAIT))["backend"] == "a"
-        assert a.completions == 3 and state(pool, a).failures == 2
+        assert a.completions == 3 and state(pool, a).failures == 3  # two requests and the failed probe
 
 
 async def test_request_waits_for_a_backend_to_be_added_and_gives_up_after_the_bound(
