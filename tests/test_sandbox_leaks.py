@@ -88,7 +88,14 @@ async def forked(sbx: BwrapSandbox) -> None:
         try:
             await asyncio.gather(*(f.run("sleep 300 & cat f.txt", 10) for f in forks))
         finally:
-            await asyncio.gather(*(f.close() for f in forks))
+            # close() goes on when its caller is cancelled, but a life that ends before its forks are gone
+            # would leave them to the test's end (and its event loop's): wait for them whatever happens.
+            closing = asyncio.gather(*(f.close() for f in forks))
+            try:
+                await asyncio.shield(closing)
+            except asyncio.CancelledError:
+                await closing
+                raise
 
 
 Life = Callable[[Sandbox], Awaitable[None]]
@@ -118,9 +125,15 @@ async def live(sbx: Sandbox, life: Life, rng: random.Random) -> str:
     return life.__name__
 
 
-def our_processes(before: set[int]) -> list[psutil.Process]:
-    """Live descendants of this test process that were not there before the test."""
-    return [p for p in psutil.Process().children(recursive=True) if p.pid not in before and _alive(p)]
+def our_processes(before: set[int]) -> list[str]:
+    """Live descendants of this test process that were not there before the test, described for a failure."""
+    left = []
+    for process in psutil.Process().children(recursive=True):
+        if process.pid not in before and _alive(process):
+            with contextlib.suppress(psutil.Error, OSError):
+                cgroups = Path(f"/proc/{process.pid}/cgroup").read_text().split()
+                left.append(f"{process.pid} (parent {process.ppid()}): {process.cmdline()[:6]} {cgroups[:3]}")
+    return left
 
 
 def _alive(process: psutil.Process) -> bool:

@@ -149,7 +149,7 @@ async def test_a_sandbox_killed_mid_run_ends_the_rollout_as_a_run_failure(tmp_pa
         async with RolloutClient(svc.url) as client:
             job_id = await client.submit(JobRequest(instance=ROW))
             async with asyncio.timeout(60):  # the model's command runs in the sandbox
-                while not (sleeping := [p for p in psutil.Process().children(recursive=True) if p.name() == "sleep"]):
+                while not (sleeping := [p for p in psutil.Process().children(recursive=True) if p.cmdline() == ["sleep", "600"]]):
                     await asyncio.sleep(0.05)
             sleeping[0].parent().kill()  # the sandbox's shell, init of its pid namespace: SIGKILL from the host
             view = await client.wait(job_id)
