@@ -7,6 +7,7 @@ sandboxes are real bubblewrap sandboxes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -62,6 +63,16 @@ def service_config(model_url: str, tmp_path: Path, **settings) -> ServiceConfig:
 async def service(model_url: str, tmp_path: Path, **settings) -> AsyncIterator[RunningService]:
     async with run_service(service_config(model_url, tmp_path, **settings)) as running:
         yield running
+
+
+def processes_running(argv: list[str]) -> list[psutil.Process]:
+    """Our descendants whose command line is `argv`."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if process.cmdline() == argv:
+                found.append(process)
+    return found
 
 
 def sandbox_processes() -> list[psutil.Process]:
@@ -149,7 +160,7 @@ async def test_a_sandbox_killed_mid_run_ends_the_rollout_as_a_run_failure(tmp_pa
         async with RolloutClient(svc.url) as client:
             job_id = await client.submit(JobRequest(instance=ROW))
             async with asyncio.timeout(60):  # the model's command runs in the sandbox
-                while not (sleeping := [p for p in psutil.Process().children(recursive=True) if p.cmdline() == ["sleep", "600"]]):
+                while not (sleeping := processes_running(["sleep", "600"])):
                     await asyncio.sleep(0.05)
             sleeping[0].parent().kill()  # the sandbox's shell, init of its pid namespace: SIGKILL from the host
             view = await client.wait(job_id)
