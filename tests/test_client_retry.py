@@ -19,9 +19,8 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from standin_helpers import running_standin
 
-from nemo_gym_prorl.models.launcher import ModelServerProcess
-from nemo_gym_prorl.models.standin import standin_argv
 from nemo_gym_prorl.service.app import create_app
 from nemo_gym_prorl.service.client import RolloutClient, ServiceError
 from nemo_gym_prorl.service.orchestrator import JobRequest, Orchestrator
@@ -90,14 +89,7 @@ class Service:
 
 @pytest.fixture(scope="module")
 def model_url() -> Iterator[str]:
-    loop = asyncio.new_event_loop()
-    server = ModelServerProcess(standin_argv(SCRIPT))
-    loop.run_until_complete(server.__aenter__())
-    try:
-        yield server.base_url
-    finally:
-        loop.run_until_complete(server.stop())
-        loop.close()
+    yield from running_standin(SCRIPT)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pytest
 from nemo_gym.base_resources_server import BaseVerifyResponse
+from standin_helpers import running_standin
 
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
@@ -31,25 +32,14 @@ SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]
 ROW = {"id": "q1", "question": "Calculate 6 * 7.", "answer": "42"}
 
 
-def _standin(script: list[str], latency_s: float = 0.0) -> Iterator[str]:
-    loop = asyncio.new_event_loop()
-    server = ModelServerProcess(standin_argv(script, latency_s))
-    loop.run_until_complete(server.__aenter__())
-    try:
-        yield server.base_url
-    finally:
-        loop.run_until_complete(server.stop())
-        loop.close()
-
-
 @pytest.fixture(scope="module")
 def instant_model() -> Iterator[str]:
-    yield from _standin(SCRIPT)
+    yield from running_standin(SCRIPT)
 
 
 @pytest.fixture(scope="module")
 def slow_model() -> Iterator[str]:
-    yield from _standin(SCRIPT, latency_s=30.0)
+    yield from running_standin(SCRIPT, latency_s=30.0)
 
 
 def service_config(model_url: str, tmp_path: Path, **settings) -> ServiceConfig:
