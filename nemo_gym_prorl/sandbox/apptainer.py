@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gym_prorl.sandbox import images, seccomp
-from nemo_gym_prorl.sandbox.base import WORKSPACE, ExecResult, SandboxError, SandboxSpec
+from nemo_gym_prorl.sandbox.base import WORKSPACE, ExecResult, SandboxError, SandboxSpec, with_note
 from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle
 from nemo_gym_prorl.sandbox.limits import OutputCap, rlimits
 from nemo_gym_prorl.sandbox.pty_shell import PtyShell
@@ -247,7 +247,7 @@ class ApptainerSandbox(SandboxLifecycle):
         exit_code = status
         if timed_out:
             exit_code = None
-            text += ("" if not text or text.endswith("\n") else "\n") + f"[timed out after {timeout:g}s: killed]\n"
+            text = with_note(text, f"[timed out after {timeout:g}s: killed]\n")
         elif self._close_task is not None:
             exit_code = None
             text += f"[{self._closed_reason()}]\n"
@@ -337,7 +337,7 @@ class ApptainerSandbox(SandboxLifecycle):
             start_new_session=True,
         )
         out, _ = await asyncio.shield(asyncio.to_thread(starting.communicate))
-        if self._starting.returncode != 0:
+        if starting.returncode != 0:
             logs = [log.read_text(errors="replace") for log in _instance_logs(self.name) if log.suffix == ".err"]
             details = "\n".join(part.strip() for part in (*logs, out.decode(errors="replace")) if part.strip())
             raise SandboxError(f"apptainer instance start failed: {details}")

@@ -53,6 +53,11 @@ class ExecResult(BaseModel):
     duration_s: float = 0.0
 
 
+def with_note(output: str, note: str) -> str:
+    """`output`, then `note` from the start of a line of its own."""
+    return output + ("" if not output or output.endswith("\n") else "\n") + note
+
+
 class SandboxError(RuntimeError):
     """The sandbox itself failed (could not start, died); a command's own failure is an ExecResult instead."""
 

@@ -65,6 +65,7 @@ from nemo_gym_prorl.sandbox.base import (
     PathOutsideWorkspaceError,
     SandboxError,
     SandboxSpec,
+    with_note,
 )
 from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle
 from nemo_gym_prorl.sandbox.limits import (
@@ -282,7 +283,8 @@ class BwrapSandbox(SandboxLifecycle):
         argv += ["--uid", str(_INNER_UID), "--gid", str(_INNER_UID), "--hostname", "sandbox"]
         argv += ["--share-net"] if self.spec.network else []
         argv += ["--die-with-parent", "--as-pid-1", "--seccomp", "3"]
-        argv += self._root_fs_args()
+        image_is_root = self._image_is_root()
+        argv += self._root_fs_args(image_is_root)
         size = str(limits.memory_mb * 2**20)
         argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp"]
         argv += ["--size", size, "--tmpfs", "/dev/shm"]
@@ -295,14 +297,14 @@ class BwrapSandbox(SandboxLifecycle):
             if not PurePosixPath(bind.target).is_absolute():
                 raise SandboxError(f"bind target {bind.target!r} is not an absolute path")
             argv += ["--bind" if bind.writable else "--ro-bind", bind.source, bind.target]
-        if not self._image_is_root():
+        if not image_is_root:
             argv += ["--remount-ro", "/"]  # "/" itself is bwrap's tmpfs
         argv += ["--chdir", WORKSPACE, "--clearenv"]
         for key, value in self._env().items():
             argv += ["--setenv", key, value]
         return [*argv, "--", *_SHELL]
 
-    def _root_fs_args(self) -> list[str]:
+    def _root_fs_args(self, image_is_root: bool) -> list[str]:
         assert self._root is not None
         image = self.spec.image
         if image is None:
@@ -322,7 +324,7 @@ class BwrapSandbox(SandboxLifecycle):
             os.path.join(image, "usr/bin/bash")
         ):
             raise SandboxError(f"image {image!r} has no bash (/bin/bash), which the sandbox's shell needs")
-        if self._image_is_root():
+        if image_is_root:
             return ["--ro-bind", image, "/"]
         args = []
         for entry in sorted(os.scandir(image), key=lambda e: e.name):
@@ -663,7 +665,7 @@ async def _run_helper(argv: list[str], data: bytes, timeout: float, limit: int |
     else:
         output, truncated = kept.text(), kept.dropped > 0
     if note:
-        output += ("" if not output or output.endswith("\n") else "\n") + note + "\n"
+        output = with_note(output, note + "\n")
     result = ExecResult(
         output=output,
         exit_code=None if note else proc.returncode,

@@ -76,8 +76,12 @@ def ulimit_command(values: Mapping[str, tuple[int, int]]) -> str:
     sandbox's, since all run as one host uid). Nothing in the sandbox can raise a hard limit again: that takes
     CAP_SYS_RESOURCE in the host's user namespace.
     """
-    hard = [f"{_BASH_ULIMIT[name][0]} {h // _BASH_ULIMIT[name][1]}" for name, (_, h) in values.items()]
-    soft = [f"{_BASH_ULIMIT[name][0]} {s // _BASH_ULIMIT[name][1]}" for name, (s, h) in values.items() if s != h]
+    hard, soft = [], []
+    for name, (soft_limit, hard_limit) in values.items():
+        flag, unit = _BASH_ULIMIT[name]
+        hard.append(f"{flag} {hard_limit // unit}")
+        if soft_limit != hard_limit:
+            soft.append(f"{flag} {soft_limit // unit}")
     commands = [f"ulimit -HS {' '.join(hard)}"] if hard else []
     commands += [f"ulimit -S {' '.join(soft)}"] if soft else []
     return "; ".join(commands)

@@ -35,7 +35,7 @@ import termios
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from nemo_gym_prorl.sandbox.base import ExecResult, SandboxError
+from nemo_gym_prorl.sandbox.base import ExecResult, SandboxError, with_note
 from nemo_gym_prorl.sandbox.limits import OutputCap
 
 _SETUP = (
@@ -256,7 +256,7 @@ class PtyShell:
                 cmd_file.unlink(missing_ok=True)
             output = capture.text()
             if notes:
-                output += ("" if not output or output.endswith("\n") else "\n") + "\n".join(notes) + "\n"
+                output = with_note(output, "\n".join(notes) + "\n")
             return ExecResult(
                 output=output,
                 exit_code=exit_code,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_gym_prorl.sandbox.base import ExecResult, Sandbox
+from nemo_gym_prorl.sandbox.base import ExecResult, Sandbox, with_note
 from nemo_gym_prorl.tools.base import ToolOutput, function_schema, string_argument
 
 
@@ -17,9 +17,9 @@ def describe_result(result: ExecResult, timeout: float) -> str:
     text = result.output
     if result.timed_out:
         if "timed out" not in text[-500:]:
-            text += ("" if not text or text.endswith("\n") else "\n") + f"[command timed out after {timeout:g}s]"
+            text = with_note(text, f"[command timed out after {timeout:g}s]")
     elif result.exit_code not in (0, None):
-        text += ("" if not text or text.endswith("\n") else "\n") + f"[exit code {result.exit_code}]"
+        text = with_note(text, f"[exit code {result.exit_code}]")
     return text
 
 
