@@ -11,7 +11,6 @@ fixtures build whatever is missing), so these tests fail, not skip, where Apptai
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import secrets
 import shutil
@@ -160,17 +159,59 @@ async def test_cancelled_start_leaves_nothing(spec: SandboxSpec) -> None:
     assert not [p for p in psutil.process_iter(["cmdline"]) if sandbox.name in " ".join(p.info["cmdline"] or [])]
 
 
-async def test_instance_that_died_closes_cleanly(sbx: ApptainerSandbox) -> None:
+def sleepers(sandbox: ApptainerSandbox) -> int:
+    """How many `sleep` processes run in the sandbox's instance (0 while one of them is being looked at exits)."""
+    try:
+        return sum(p.name() == "sleep" for p in apptainer_processes(sandbox))
+    except psutil.NoSuchProcess:
+        return 0
+
+
+def assert_all_gone(sandbox: ApptainerSandbox, processes: list[psutil.Process]) -> None:
+    assert not alive(processes)
+    assert sandbox.name not in list_instances() and not apptainer._instance_logs(sandbox.name)
+    assert sandbox.temp_dir is not None and not sandbox.temp_dir.exists()
+
+
+@pytest.mark.parametrize("victim", ["init", "monitor"])
+async def test_an_instance_killed_from_the_host_is_gone_not_silently_restarted(spec: SandboxSpec, victim: str) -> None:
+    """SIGKILL from the host to the instance's init (which nothing inside can kill) or to Apptainer's monitor: the
+    command and the program that ran, and every later call, raise SandboxError, where a shell that merely exited
+    would be replaced; closing still removes everything."""
+    async with ApptainerSandbox(spec) as sandbox:
+        running = asyncio.ensure_future(sandbox.run("sleep 30", 60))
+        program = asyncio.ensure_future(sandbox.exec(["sleep", "30"], 60))
+        await wait_until(lambda: sleepers(sandbox) == 2)
+        processes = apptainer_processes(sandbox)
+        init = psutil.Process(sandbox.instance_pid)
+        (init if victim == "init" else init.parent()).kill()
+        for call in (running, program, sandbox.run("echo hi", 5), sandbox.exec(["true"], 5)):
+            with pytest.raises(SandboxError, match="the sandbox was killed"):
+                await call
+    assert_all_gone(sandbox, processes)
+
+
+async def test_an_instance_killed_while_idle_fails_the_next_call(sbx: ApptainerSandbox) -> None:
     processes = apptainer_processes(sbx)
     init = psutil.Process(sbx.instance_pid)
     init.kill()
     init.wait(10)
-    with contextlib.suppress(SandboxError):  # the shell may be seen dying, or fail to come back
-        assert (await sbx.run("echo hi", 10)).exit_code != 0
+    with pytest.raises(SandboxError, match="the sandbox was killed: its instance's init was killed from the host"):
+        await sbx.run("echo hi", 10)
+    with pytest.raises(SandboxError, match="the sandbox was killed"):
+        await sbx.exec(["true"], 10)
     await sbx.close()
-    assert not alive(processes)
-    assert sbx.name not in list_instances()
-    assert sbx.temp_dir is not None and not sbx.temp_dir.exists()
+    assert_all_gone(sbx, processes)
+
+
+async def test_a_shell_that_exits_is_replaced(sbx: ApptainerSandbox) -> None:
+    """`exit`, even with the status of a SIGKILL'd program, ends the shell, not the instance: a new shell takes over."""
+    for status in (0, 137):
+        result = await sbx.run(f"exit {status}", 10)
+        assert result.exit_code == status and "shell exited" in result.output
+        after = await sbx.run("echo ok", 10)
+        assert after.exit_code == 0 and after.output.startswith("ok\n") and "new shell" in after.output
+    assert (await sbx.exec(["echo", "ok"], 10)).output == "ok\n"
 
 
 # -- orphans -------------------------------------------------------------------------------------------------------

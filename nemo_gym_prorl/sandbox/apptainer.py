@@ -5,7 +5,9 @@ namespaces, clean environment, a throw-away writable layer over a read-only imag
 `spec.network` (then the host's network is shared), a host temp dir bound read-write at /workspace, the shell's
 control dir bound read-only at /.prorl, and `spec.binds`. The persistent shell (`PtyShell`) and every `exec()` are
 `apptainer exec instance://NAME ...` into it; closing kills the instance's init, which takes every process of its
-pid namespace along, and removes the temp dirs and the instance's log files.
+pid namespace along, and removes the temp dirs and the instance's log files. A shell that exits is replaced by a new
+one; an instance killed from the host (its init or Apptainer's monitor) is not: the command that ran and every later
+call raise SandboxError saying so.
 
 Who runs inside: never the host's root.
 - Started as root, Apptainer runs privileged (no user namespace: as root, `--userns` maps the container's root to
@@ -49,10 +51,12 @@ import platform
 import pwd
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +64,7 @@ from nemo_gym_prorl.sandbox import images, seccomp
 from nemo_gym_prorl.sandbox.base import WORKSPACE, ExecResult, SandboxError, SandboxSpec, with_note
 from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle
 from nemo_gym_prorl.sandbox.limits import OutputCap, rlimits
-from nemo_gym_prorl.sandbox.pty_shell import PtyShell
+from nemo_gym_prorl.sandbox.pty_shell import PtyShell, ShellLauncher
 from nemo_gym_prorl.sandbox.workspace import HostWorkspace, remove_tree
 
 APPTAINER_ENV = "PRORL_APPTAINER"
@@ -89,6 +93,7 @@ _ALL_CAPS = (
 _START_TIMEOUT_S = 60.0
 _STOP_WAIT_S = 5.0
 _SECCOMP_FILE = "seccomp.json"
+_PF_EXITING = 0x4  # a process's flag (in /proc/PID/stat) from the moment it begins to exit
 _STARTUP_PIDS = 64  # room for Apptainer's own tasks until the shell is up and the pids limit is tightened
 
 
@@ -172,6 +177,7 @@ class ApptainerSandbox(SandboxLifecycle):
         self._init_fd: int | None = None
         self._monitor_fd: int | None = None
         self._instance_pid: int | None = None
+        self._monitor_pid: int | None = None
         self._instance_requested = False
         self._started = False
 
@@ -206,10 +212,13 @@ class ApptainerSandbox(SandboxLifecycle):
             await self._start_instance(image)
             limits = self.spec.limits
             self._shell = PtyShell(
-                self._enter_argv(["/bin/bash", "--norc", "--noprofile", "--noediting", "-i"]),
+                _InstanceShellLauncher(
+                    self._enter_argv(["/bin/bash", "--norc", "--noprofile", "--noediting", "-i"]),
+                    _host_env(),
+                    self._lost,
+                ),
                 control,
                 CONTROL_DIR,
-                env=_host_env(),
                 max_output_bytes=limits.max_output_bytes,
             )
             await self._shell.start()
@@ -223,6 +232,7 @@ class ApptainerSandbox(SandboxLifecycle):
         if self._shell is None:
             raise SandboxError("sandbox is not started")
         self._check_open()
+        self._raise_if_lost()
         result = await self._shell.run(command, timeout)
         if self._expired:
             result.output += f"[{self._closed_reason()}]\n"
@@ -232,6 +242,7 @@ class ApptainerSandbox(SandboxLifecycle):
         if self._shell is None:
             raise SandboxError("sandbox is not started")
         self._check_open()
+        self._raise_if_lost()
         if not argv:
             raise ValueError("exec needs a program to run")
         loop = asyncio.get_running_loop()
@@ -242,6 +253,7 @@ class ApptainerSandbox(SandboxLifecycle):
             status, timed_out = await run.wait(timeout)
         finally:
             self._execs.discard(run)
+        self._raise_if_lost()  # the instance died while the program ran, and took it along
         output = run.output
         text = output.text()
         exit_code = status
@@ -264,6 +276,27 @@ class ApptainerSandbox(SandboxLifecycle):
 
     async def read_file(self, path: str) -> bytes:
         return await asyncio.to_thread(self._host_workspace().read, path)
+
+    def _raise_if_lost(self) -> None:
+        """SandboxError, saying why, if the instance is gone while the sandbox is open."""
+        reason = self._lost()
+        if reason is not None:
+            raise SandboxError(reason)
+
+    def _lost(self) -> str | None:
+        """Why the instance is gone while the sandbox is open, or None while it runs. Only the host (or the kernel's
+        OOM killer) can end it: its init cannot be killed from inside its pid namespace, and Apptainer's monitor
+        is outside it."""
+        if self._init_fd is None or self._monitor_fd is None or self._close_task is not None:
+            return None
+        assert self._instance_pid is not None and self._monitor_pid is not None
+        if _ending(self._monitor_pid, self._monitor_fd):
+            return "the sandbox was killed: Apptainer's monitor of its instance was killed from the host"
+        if _ending(self._instance_pid, self._init_fd):
+            return (
+                "the sandbox was killed: its instance's init was killed from the host (or by the kernel's OOM killer)"
+            )
+        return None
 
     # -- starting --------------------------------------------------------------------------------------------
 
@@ -356,7 +389,8 @@ class ApptainerSandbox(SandboxLifecycle):
         except OSError:
             os.close(init_fd)
             raise
-        self._init_fd, self._monitor_fd, self._instance_pid = init_fd, monitor_fd, init_pid
+        self._init_fd, self._monitor_fd = init_fd, monitor_fd
+        self._instance_pid, self._monitor_pid = init_pid, monitor_pid
         # Both pidfds are open now, so these pids cannot be reused; check that they still are the instance's.
         if _parent_pid(init_pid) != monitor_pid or f"[{self.name}]" not in _cmdline(monitor_pid):
             raise SandboxError(f"instance {self.name} exited right after it started")
@@ -477,6 +511,19 @@ def _seccomp_profile() -> dict[str, Any]:
     return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": arches, "syscalls": rules}
 
 
+class _InstanceShellLauncher(ShellLauncher):
+    """The default launcher (`argv` under `setsid --ctty` with `env`) that also tells a shell's exit that means the
+    sandbox is gone, `lost()` saying why: its instance was killed (see `ApptainerSandbox._lost`). Any other exit is
+    the shell's own (`exit`): a new shell takes over."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], lost: Callable[[], str | None]) -> None:
+        super().__init__(argv, env)
+        self._lost = lost
+
+    def lost(self, returncode: int) -> str | None:
+        return self._lost()
+
+
 class _Program:
     """One `apptainer exec` with its output on a pipe, watched through a pidfd.
 
@@ -593,6 +640,21 @@ def remove_instance_logs(name: str) -> None:
 def _kill_session(sid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(sid, signal.SIGKILL)
+
+
+def _ending(pid: int, pidfd: int) -> bool:
+    """Whether the process `pid` (whose pidfd is `pidfd`) has exited or is exiting, without waiting.
+
+    Its pidfd polls readable once it has exited; but a pid namespace's init exits only after every other process of
+    the namespace is gone, so the shell, killed by its death, may be seen gone first. From the moment a process
+    begins to exit, the kernel marks it PF_EXITING (/proc/PID/stat), which is what closes that gap. The pidfd is
+    polled first: it keeps saying whether `pid` still is that process."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    if poller.poll(0):
+        return True
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
 
 
 async def _wait_readable(fd: int, timeout: float) -> bool:
