@@ -75,6 +75,10 @@ async def test_a_job_streams_each_sample_and_is_kept(instant_model: str, tmp_pat
         streamed = [item async for item in client.stream(job_id)]
         assert sorted(sample for sample, _ in streamed) == [0, 1, 2]
         view = await client.get(job_id)
+        status = await client.get(job_id, results=False)  # for polling: state and counts, no trajectories
+        waited = await client.wait(job_id)
+    assert (status.state, status.finished, status.results) == ("done", 3, [])
+    assert waited == view  # results from the stream, in sample order, as GET returns them
     assert view.state == "done" and view.finished == 3
     for trajectory in view.results:
         assert trajectory.reward == 1.0 and trajectory.critical_error is None and trajectory.num_tool_calls == 1

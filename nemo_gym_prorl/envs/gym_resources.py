@@ -13,13 +13,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
-
 from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Submission
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.envs.task import TaskConfig
 from nemo_gym_prorl.gym.output_items import gym_output_items
-from nemo_gym_prorl.service.http_transport import AiohttpTransport
+from nemo_gym_prorl.service.json_http import JsonHttp
 from nemo_gym_prorl.tool_calls import ToolCall
 from nemo_gym_prorl.tools import ToolOutput
 
@@ -35,8 +33,7 @@ def chat_tools(responses_tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _cookie_header(cookies: dict[str, str]) -> dict[str, str]:
-    """An episode's session cookies as a request header: one session per episode on one shared client, without
-    httpx's per-request cookie jars (deprecated, and ~9% of the service's CPU at high concurrency)."""
+    """An episode's session cookies as a request header: one session per episode on one shared client."""
     return {"cookie": "; ".join(f"{name}={value}" for name, value in cookies.items())} if cookies else {}
 
 
@@ -49,15 +46,12 @@ def _content_text(content: Any) -> str:
 class GymResourcesEnvironment(Environment):
     plain_reply_ends_episode = True
 
-    def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap", http: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap") -> None:
         if not task.resources_server_url:
             raise ValueError(f"task {task.name!r}: a gym task needs resources_server_url")
         super().__init__(task, sandbox_backend)
         self.url = task.resources_server_url.rstrip("/")
-        self._owns_http = http is None  # a client passed in is its owner's to close
-        self.http = http or httpx.AsyncClient(
-            transport=AiohttpTransport(), timeout=httpx.Timeout(task.tool_timeout_s + 30), trust_env=False
-        )
+        self.http = JsonHttp(timeout_s=task.tool_timeout_s + 30)
 
     @staticmethod
     def _params(instance: TaskInstance) -> dict[str, Any]:
@@ -83,17 +77,17 @@ class GymResourcesEnvironment(Environment):
         return chat_tools(self._params(instance).get("tools") or []) if instance is not None else []
 
     async def init(self, instance: TaskInstance) -> Episode:
-        response = await self.http.post(f"{self.url}/seed_session", json=instance.data)
+        response = await self.http.post(f"{self.url}/seed_session", instance.data)
         response.raise_for_status()
-        return Episode(instance=instance, sandbox=None, session=dict(response.cookies))
+        return Episode(instance=instance, sandbox=None, session=response.cookies)
 
     async def call_tool(self, episode: Episode, call: ToolCall) -> ToolOutput:
         response = await self.http.post(
-            f"{self.url}/{call.name}", json=call.arguments, headers=_cookie_header(episode.session)
+            f"{self.url}/{call.name}", call.arguments, headers=_cookie_header(episode.session)
         )
-        if response.status_code == 404:
+        if response.status == 404:
             return ToolOutput(text=f"unknown tool {call.name!r}")
-        if response.status_code == 422:
+        if response.status == 422:
             return ToolOutput(text=f"{call.name}: invalid arguments: {response.text[:500]}")
         response.raise_for_status()
         episode.session.update(response.cookies)  # a server may move its session on
@@ -116,7 +110,7 @@ class GymResourcesEnvironment(Environment):
                 "tools": params.get("tools") or [],
             }
         }
-        response = await self.http.post(f"{self.url}/verify", json=body, headers=_cookie_header(submission["cookies"]))
+        response = await self.http.post(f"{self.url}/verify", body, headers=_cookie_header(submission["cookies"]))
         response.raise_for_status()
         verdict = response.json()
         reward = float(verdict["reward"])
@@ -127,5 +121,4 @@ class GymResourcesEnvironment(Environment):
         """Nothing to release here: a Gym session seeded with a row (as Gym's own agents seed it) ends at verify."""
 
     async def aclose(self) -> None:
-        if self._owns_http:
-            await self.http.aclose()
+        await self.http.aclose()

@@ -6,6 +6,10 @@ entry repeats). Token ids come from the real model's tokenizer, so rollouts thro
 contiguous exactly as with a real server. ``latency_s`` simulates generation time and ``max_concurrency`` bounds
 how many requests are "on the GPU" at once.
 
+"Instant" means the server's own CPU is as small as it can be, since benchmarks share it between the sides they
+compare: rollouts of one benchmark repeat the same prompts and tool outputs, so rendered templates and
+tokenizations are memoised (a string in, the same tokens out: the cache changes no answer).
+
     python -m nemo_gym_prorl.models.standin --port 0 --script '```bash\\necho 1\\n```' '\\boxed{1}'
 """
 
@@ -13,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import socket
 import sys
 from typing import Any
 
+import orjson
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.server import READY_LINE
@@ -36,7 +42,25 @@ def create_standin_app(
     if not script:
         raise ValueError("the stand-in model needs at least one scripted reply")
     replies = [tokenizer.encode(text) + [tokenizer.eos_token_id] for text in script]
+    reply_texts = [tokenizer.decode(ids) for ids in replies]
     assistant_start = tokenizer.encode(tokenizer.chat_template.render([], add_generation_prompt=True))
+    template = tokenizer.chat_template
+
+    @functools.lru_cache(maxsize=4096)
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text))
+
+    @functools.lru_cache(maxsize=4096)
+    def chat_prompt(key: bytes) -> tuple[int, ...]:
+        """The prompt of a chat request without token fields to splice: its messages and tools, rendered."""
+        messages, tools = orjson.loads(key)
+        return encode(template.render(messages, tools, add_generation_prompt=True))
+
+    @functools.lru_cache(maxsize=4096)
+    def continuation(key: bytes) -> tuple[int, ...]:
+        """The tokens between an assistant turn (the last of `history`) and the next generation prompt."""
+        history, new_messages, tools = orjson.loads(key)
+        return encode(template.continuation_text(history, new_messages, tools, True))
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     app = FastAPI(title="nemo-gym-prorl stand-in model")
     app.state.requests = 0
@@ -51,7 +75,8 @@ def create_standin_app(
         n = sum(1 for i, token in enumerate(prompt) if token == first and prompt[i : i + width] == assistant_start)
         return max(n - 1, 0)
 
-    async def generate(k: int) -> list[int]:
+    async def generate(k: int) -> int:
+        """The index of the reply to give, once the simulated generation is over."""
         app.state.requests += 1
         if not released.is_set():
             app.state.waiting += 1
@@ -66,7 +91,7 @@ def create_standin_app(
             async with gate:
                 if latency_s:
                     await asyncio.sleep(latency_s)
-        return replies[min(k, len(replies) - 1)]
+        return min(k, len(replies) - 1)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -86,33 +111,39 @@ def create_standin_app(
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": "standin", "object": "model", "owned_by": "nemo-gym-prorl"}]}
 
+    def json_response(body: dict[str, Any]) -> Response:
+        return Response(orjson.dumps(body), media_type="application/json")
+
     @app.post("/v1/completions")
-    async def completions(body: dict[str, Any]) -> dict[str, Any]:
+    async def completions(request: Request) -> Response:
+        body = orjson.loads(await request.body())
         prompt = body["prompt"]
-        ids = await generate(turns_in(prompt))
+        k = await generate(turns_in(prompt))
+        ids = replies[k]
         choice = {
             "index": 0,
-            "text": tokenizer.decode(ids),
+            "text": reply_texts[k],
             "token_ids": ids,
             "prompt_token_ids": prompt,
             "logprobs": {"token_logprobs": [-0.1] * len(ids)},
             "finish_reason": "stop",
         }
-        return {"id": "cmpl-standin", "object": "text_completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice], "prompt_token_ids": prompt}
+        return json_response({"id": "cmpl-standin", "object": "text_completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice], "prompt_token_ids": prompt})
 
     @app.post("/v1/chat/completions")
-    async def chat(body: dict[str, Any]) -> dict[str, Any]:
+    async def chat(request: Request) -> Response:
+        body = orjson.loads(await request.body())
         messages = body["messages"]
         earlier = [m for m in messages if m.get("role") == "assistant"]
-        ids = await generate(len(earlier))
-        template = tokenizer.chat_template
+        k = await generate(len(earlier))
+        ids, text = replies[k], reply_texts[k]
+        tools = body.get("tools")
         if earlier and "generation_token_ids" in earlier[-1]:
             last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
-            tail = template.continuation_text(messages[: last + 1], messages[last + 1 :], body.get("tools"), True)
-            prompt = earlier[-1]["prompt_token_ids"] + earlier[-1]["generation_token_ids"] + tokenizer.encode(tail)
+            tail = continuation(orjson.dumps([messages[: last + 1], messages[last + 1 :], tools]))
+            prompt = earlier[-1]["prompt_token_ids"] + earlier[-1]["generation_token_ids"] + list(tail)
         else:
-            prompt = tokenizer.encode(template.render(messages, body.get("tools"), add_generation_prompt=True))
-        text = tokenizer.decode(ids)
+            prompt = list(chat_prompt(orjson.dumps([messages, tools])))
         message: dict[str, Any] = {
             "role": "assistant",
             "content": text,
@@ -128,7 +159,7 @@ def create_standin_app(
                 message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
                 finish_reason = "tool_calls"
         choice = {"index": 0, "message": message, "finish_reason": finish_reason}
-        return {"id": "chatcmpl-standin", "object": "chat.completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice]}
+        return json_response({"id": "chatcmpl-standin", "object": "chat.completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice]})
 
     return app
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import ipaddress
 import secrets
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -163,8 +163,10 @@ def create_app(orchestrator: Orchestrator, token: str | None = None, max_body_by
         return Accepted(job_id=orchestrator.submit(body))
 
     @app.get("/jobs/{job_id}", dependencies=guarded)
-    async def get_job(job_id: str) -> JobView:
-        view = orchestrator.view(job_id)
+    async def get_job(
+        job_id: str, results: Annotated[bool, Query(description="false: state and counts only, for polling")] = True
+    ) -> JobView:
+        view = orchestrator.view(job_id, results)
         if view is None:
             raise HTTPException(404, f"no job {job_id!r}")
         return view
@@ -179,12 +181,12 @@ def create_app(orchestrator: Orchestrator, token: str | None = None, max_body_by
 
     @app.get("/jobs/{job_id}/stream", dependencies=guarded)
     async def stream_job(job_id: str) -> StreamingResponse:
-        if orchestrator.view(job_id) is None:
+        if orchestrator.view(job_id, results=False) is None:
             raise HTTPException(404, f"no job {job_id!r}")
 
         async def lines() -> AsyncIterator[bytes]:
-            async for sample, trajectory in orchestrator.stream(job_id):
-                yield (f'{{"sample": {sample}, "trajectory": {trajectory.model_dump_json()}}}\n').encode()
+            async for sample, trajectory in orchestrator.stream_json(job_id):
+                yield f'{{"sample": {sample}, "trajectory": {trajectory}}}\n'.encode()
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

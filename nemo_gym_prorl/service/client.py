@@ -12,11 +12,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol, Self
 
 import httpx
+from pydantic import BaseModel
 
 from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.service.orchestrator import JobRequest, JobView, Orchestrator
@@ -36,10 +36,17 @@ class ServiceError(Exception):
         self.field = field
 
 
+class StreamedSample(BaseModel):
+    """One line of a job's result stream."""
+
+    sample: int
+    trajectory: Trajectory
+
+
 class RolloutService(Protocol):
     async def submit(self, request: JobRequest) -> str: ...
 
-    async def get(self, job_id: str) -> JobView: ...
+    async def get(self, job_id: str, results: bool = True) -> JobView: ...
 
     async def cancel(self, job_id: str) -> JobView: ...
 
@@ -91,8 +98,10 @@ class RolloutClient:
         _raise_for_error(response)
         return response.json()["job_id"]
 
-    async def get(self, job_id: str) -> JobView:
-        return JobView.model_validate(await self._call("GET", f"/jobs/{job_id}", retry=True))
+    async def get(self, job_id: str, results: bool = True) -> JobView:
+        """The job; with `results=False` its state and counts only (cheap to poll)."""
+        path = f"/jobs/{job_id}" if results else f"/jobs/{job_id}?results=false"
+        return JobView.model_validate(await self._call("GET", path, retry=True))
 
     async def cancel(self, job_id: str) -> JobView:
         # Cancelling a cancelled job changes nothing, so a dropped cancel is resent.
@@ -112,12 +121,12 @@ class RolloutClient:
                     async for line in response.aiter_lines():
                         if not line.strip():
                             continue
-                        item = json.loads(line)
-                        if item["sample"] in yielded:
+                        item = StreamedSample.model_validate_json(line)
+                        if item.sample in yielded:
                             continue
-                        yielded.add(item["sample"])
+                        yielded.add(item.sample)
                         retried = False
-                        yield item["sample"], Trajectory.model_validate(item["trajectory"])
+                        yield item.sample, item.trajectory
                 return
             except _DROPPED:
                 if retried:
@@ -125,9 +134,12 @@ class RolloutClient:
                 retried = True
 
     async def wait(self, job_id: str) -> JobView:
-        async for _ in self.stream(job_id):
-            pass
-        return await self.get(job_id)
+        """The job once every sample has finished. The results come from the stream, so they cross the wire once."""
+        streamed = dict([item async for item in self.stream(job_id)])
+        view = await self.get(job_id, results=False)
+        if view.finished != len(streamed):  # not expected: a finished job's stream holds all its results
+            return await self.get(job_id)
+        return view.model_copy(update={"results": [streamed[sample] for sample in sorted(streamed)]})
 
     async def process(self, instance: dict[str, Any], sampling_params: SamplingParams | None = None, task: str | None = None) -> Trajectory:
         body = {"instance": instance, "task": task, "sampling_params": (sampling_params or SamplingParams()).model_dump()}
@@ -168,8 +180,8 @@ class LocalRolloutClient:
     async def submit(self, request: JobRequest) -> str:
         return self._orchestrator.submit(request)
 
-    async def get(self, job_id: str) -> JobView:
-        view = self._orchestrator.view(job_id)
+    async def get(self, job_id: str, results: bool = True) -> JobView:
+        view = self._orchestrator.view(job_id, results)
         if view is None:
             raise ServiceError(404, f"no job {job_id!r}")
         return view
@@ -203,8 +215,8 @@ class SyncRolloutClient:
     def submit(self, request: JobRequest) -> str:
         return self._loop.run_until_complete(self._client.submit(request))
 
-    def get(self, job_id: str) -> JobView:
-        return self._loop.run_until_complete(self._client.get(job_id))
+    def get(self, job_id: str, results: bool = True) -> JobView:
+        return self._loop.run_until_complete(self._client.get(job_id, results))
 
     def cancel(self, job_id: str) -> JobView:
         return self._loop.run_until_complete(self._client.cancel(job_id))

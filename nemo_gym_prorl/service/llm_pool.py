@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from nemo_gym_prorl.service.http_transport import AiohttpTransport
+from nemo_gym_prorl.service.json_http import HttpTransportError, JsonHttp
 from nemo_gym_prorl.service.llm_client import PostJSON, refusal
 
 log = logging.getLogger(__name__)
@@ -83,29 +83,15 @@ def normalize_address(address: str) -> str:
     return base if base.endswith("/v1") else base + "/v1"
 
 
-def _server_message(response: httpx.Response) -> str:
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text
-
-
 class LLMPool:
     """``async with LLMPool(config, addresses) as pool: await pool.post(trajectory_id, "/completions", body)``."""
 
-    def __init__(
-        self,
-        config: LLMPoolConfig | None = None,
-        addresses: Iterable[str] = (),
-        http: httpx.AsyncClient | None = None,
-    ) -> None:
-        """``http``: a client to share (left open on ``aclose``); by default the pool makes and closes its own."""
+    def __init__(self, config: LLMPoolConfig | None = None, addresses: Iterable[str] = ()) -> None:
         self.config = config = config or LLMPoolConfig()
-        self._owns_http = http is None
-        self._http = http or httpx.AsyncClient(
-            transport=AiohttpTransport(config.max_connections),
-            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s, pool=None),
-            trust_env=False,  # backends sit next to us; a proxy from the environment would only get in the way
+        self._http = JsonHttp(
+            max_connections=config.max_connections,
+            timeout_s=config.request_timeout_s,
+            connect_timeout_s=config.connect_timeout_s,
         )
         self._backends: dict[str, BackendState] = {}
         self._affinity: OrderedDict[str, BackendState] = OrderedDict()
@@ -182,19 +168,19 @@ class LLMPool:
             backend = await self._acquire(trajectory_id, tried)
             try:
                 backend.requests += 1
-                response = await self._http.post(backend.address + path, json=json)
-                if response.status_code >= 500 or response.status_code == 429:
-                    raise _Transient(f"HTTP {response.status_code}: {_server_message(response)[:500]}")
-                if response.status_code >= 400:
+                response = await self._http.post(backend.address + path, json)
+                if response.status >= 500 or response.status == 429:
+                    raise _Transient(f"HTTP {response.status}: {response.error_message()[:500]}")
+                if response.status >= 400:
                     self._succeeded(backend)  # the server is fine; the request is not
-                    raise refusal(response.status_code, _server_message(response))
+                    raise refusal(response.status, response.error_message())
                 try:
                     body = response.json()
                 except ValueError as e:
-                    raise _Transient(f"HTTP {response.status_code} with a body that is not JSON") from e
+                    raise _Transient(f"HTTP {response.status} with a body that is not JSON") from e
                 self._succeeded(backend)
                 return body
-            except (httpx.TransportError, _Transient) as e:
+            except (HttpTransportError, _Transient) as e:
                 error = e
                 tried.add(backend.address)
                 self._failed(backend, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
@@ -282,12 +268,12 @@ class LLMPool:
     async def _probe(self, backend: BackendState) -> None:
         try:
             url = backend.address + self.config.health_path
-            response = await self._http.get(url, timeout=self.config.health_timeout_s)
-        except httpx.HTTPError as e:
+            response = await self._http.get(url, timeout_s=self.config.health_timeout_s)
+        except HttpTransportError as e:
             self._failed(backend, f"health probe: {type(e).__name__}: {e}")
             return
-        if response.status_code >= 500:
-            self._failed(backend, f"health probe: HTTP {response.status_code}")
+        if response.status >= 500:
+            self._failed(backend, f"health probe: HTTP {response.status}")
         else:
             self._succeeded(backend)
 
@@ -337,8 +323,7 @@ class LLMPool:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._health_task = self._on_demand_probe = None
-        if self._owns_http:
-            await self._http.aclose()
+        await self._http.aclose()
 
     async def __aenter__(self) -> LLMPool:
         self.start()

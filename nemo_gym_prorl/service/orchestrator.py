@@ -25,7 +25,7 @@ from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.service.agent_loop import AgentLoop
 from nemo_gym_prorl.service.llm_client import GenerationMode, turn_generator
 from nemo_gym_prorl.service.llm_pool import LLMPool
-from nemo_gym_prorl.service.pipeline import RolloutPipeline, Rollout, Stage
+from nemo_gym_prorl.service.pipeline import Rollout, RolloutPipeline, Stage
 from nemo_gym_prorl.service.store import JobStore, RecoveryPolicy, StoredJob
 from nemo_gym_prorl.service.trajectory import Trajectory
 from nemo_gym_prorl.tool_calls import ToolCallFormatName, tool_call_format
@@ -211,12 +211,16 @@ class Orchestrator:
         async with live.finished:
             live.finished.notify_all()
 
-    def view(self, job_id: str) -> JobView | None:
+    def view(self, job_id: str, results: bool = True) -> JobView | None:
+        """The job's state and its finished samples; without `results`, only how many have finished."""
         job = self.store.job(job_id)
         if job is None:
             return None
-        results = self.store.results(job_id)
-        return JobView(job_id=job_id, state=job.state, n=job.n, finished=len(results), results=list(results.values()))
+        if not results:
+            finished = len(self.store.result_samples(job_id))
+            return JobView(job_id=job_id, state=job.state, n=job.n, finished=finished, results=[])
+        done = list(self.store.results(job_id).values())
+        return JobView(job_id=job_id, state=job.state, n=job.n, finished=len(done), results=done)
 
     async def cancel(self, job_id: str) -> bool:
         """Cancel every unfinished sample of a job; their sandboxes are freed before this returns."""
@@ -240,6 +244,11 @@ class Orchestrator:
 
     async def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]:
         """(sample, trajectory) as each finishes, starting with those already finished."""
+        async for sample, text in self.stream_json(job_id):
+            yield sample, Trajectory.model_validate_json(text)
+
+    async def stream_json(self, job_id: str) -> AsyncIterator[tuple[int, str]]:
+        """`stream()` with each trajectory as its stored JSON, for a caller that only sends it on."""
         job = self.store.job(job_id)
         if job is None:
             raise KeyError(job_id)
@@ -247,10 +256,10 @@ class Orchestrator:
         while True:
             live = self._live.get(job_id)
             for sample in sorted(self.store.result_samples(job_id) - sent):
-                trajectory = self.store.result(job_id, sample)
-                assert trajectory is not None
+                text = self.store.result_json(job_id, sample)
+                assert text is not None
                 sent.add(sample)
-                yield sample, trajectory
+                yield sample, text
             if len(sent) >= job.n or live is None:
                 return
             async with live.finished:

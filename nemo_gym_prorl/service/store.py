@@ -88,11 +88,12 @@ class JobStore:
     def result_samples(self, job_id: str) -> set[int]:
         return {s for (s,) in self._db.execute("SELECT sample FROM results WHERE job_id = ?", (job_id,))}
 
-    def result(self, job_id: str, sample: int) -> Trajectory | None:
+    def result_json(self, job_id: str, sample: int) -> str | None:
+        """A finished sample's trajectory as stored: JSON, ready to send."""
         row = self._db.execute(
             "SELECT trajectory FROM results WHERE job_id = ? AND sample = ?", (job_id, sample)
         ).fetchone()
-        return Trajectory.model_validate_json(row[0]) if row else None
+        return row[0] if row else None
 
     def results(self, job_id: str) -> dict[int, Trajectory]:
         rows = self._db.execute(

@@ -1,0 +1,138 @@
+"""JSON over HTTP on aiohttp's connection pool: the client of the service's hot paths, model requests (the LLM pool)
+and Gym resources-server calls.
+
+Why not httpx, which the rest of the package uses: at 256 concurrent rollouts its client layer (URL parsing, the
+request and header models, cookie extraction) took ~30% of the service's CPU even over an aiohttp transport, and
+httpcore's own pool was worse, quadratic in connections (py-spy, `prorl bench throughput`). Here a request is one
+aiohttp call with an orjson body, and the answer is read whole: these calls are JSON request/response, never
+streams. Cookies are the caller's (a Gym session per episode on one shared client), so the client keeps none.
+
+Idle connections are dropped after 2 s, before uvicorn's 5 s keep-alive closes them under us. The aiohttp session
+is made on first use, on the running loop: building a client opens nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class HttpTransportError(Exception):
+    """The request got no HTTP answer: the connection failed or broke, or the server took too long."""
+
+
+class HttpConnectError(HttpTransportError):
+    """Nothing accepted the connection: the request never reached a server."""
+
+
+class HttpTimeout(HttpTransportError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class JsonResponse:
+    status: int
+    content: bytes
+    cookies: dict[str, str]  # what the answer's Set-Cookie headers set
+
+    def json(self) -> Any:
+        """The body as JSON; raises ValueError when it is not."""
+        return orjson.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+    def error_message(self) -> str:
+        """What an error answer says: the OpenAI-style ``error.message`` when there is one, else the body."""
+        try:
+            return str(self.json()["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            return self.text
+
+    def raise_for_status(self) -> None:
+        if self.status >= 400:
+            raise HttpStatusError(self.status, self.error_message())
+
+
+class HttpStatusError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message[:500]}")
+        self.status = status
+        self.message = message
+
+
+class JsonHttp:
+    """``await JsonHttp(timeout_s=60).post(url, body)`` → ``JsonResponse``; close with ``aclose()``.
+
+    `timeout_s` bounds each wait for the server (connecting and each read), not the whole exchange: a generation
+    streams nothing until it is done, so a read timeout is what tells a hung server from a slow one."""
+
+    def __init__(
+        self,
+        *,
+        max_connections: int | None = None,
+        timeout_s: float | None = None,
+        connect_timeout_s: float | None = None,
+    ) -> None:
+        self._limit = max_connections or 0  # 0: unbounded
+        self._timeout_s = timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise RuntimeError("this JsonHttp client is closed")
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._limit, limit_per_host=0, keepalive_timeout=2.0),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=aiohttp.ClientTimeout(total=None),
+                skip_auto_headers=("User-Agent",),
+            )
+        return self._session
+
+    async def post(
+        self, url: str, body: Any, *, headers: Mapping[str, str] | None = None, timeout_s: float | None = None
+    ) -> JsonResponse:
+        data = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
+        return await self._request("POST", url, data, {**_JSON_HEADERS, **(headers or {})}, timeout_s)
+
+    async def get(self, url: str, *, timeout_s: float | None = None) -> JsonResponse:
+        return await self._request("GET", url, None, None, timeout_s)
+
+    async def _request(
+        self, method: str, url: str, data: bytes | None, headers: Mapping[str, str] | None, timeout_s: float | None
+    ) -> JsonResponse:
+        read_s = timeout_s or self._timeout_s
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s or read_s, sock_read=read_s)
+        try:
+            async with self._client().request(
+                method, url, data=data, headers=headers, timeout=timeout, allow_redirects=False
+            ) as response:
+                content = await response.read()
+                cookies = {name: morsel.value for name, morsel in response.cookies.items()}
+                return JsonResponse(response.status, content, cookies)
+        except aiohttp.ClientConnectorError as e:
+            raise HttpConnectError(f"{method} {url}: {e}") from e
+        except (TimeoutError, aiohttp.ServerTimeoutError) as e:
+            raise HttpTimeout(f"{method} {url}: timed out{f' ({e})' if str(e) else ''}") from e
+        except aiohttp.ClientError as e:
+            raise HttpTransportError(f"{method} {url}: {type(e).__name__}: {e}") from e
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
