@@ -203,14 +203,16 @@ async def test_chat_mode_echoes_token_fields_and_masks_a_non_contiguous_turn(mat
 async def test_both_generation_modes_stay_contiguous_against_the_real_model_server(
     math_task, tokenizer: Tokenizer, model_server, mode: str
 ) -> None:
-    import httpx
-
+    from nemo_gym_prorl.service.json_http import JsonHttp
     from nemo_gym_prorl.service.llm_client import http_poster, turn_generator
 
-    async with httpx.AsyncClient(timeout=120) as http:
+    http = JsonHttp(timeout_s=120)
+    try:
         generator = turn_generator(mode, http_poster(http, model_server.base_url), "local", SamplingParams(max_tokens=40, seed=1), tokenizer)
         loop = AgentLoop(generator, tool_call_format("hermes"), 3)
         trajectory = await run_rollout(make_environment(math_task, "bwrap"), loop, INSTANCE)
+    finally:
+        await http.aclose()
     turns = trajectory.assistant_turns()
     assert trajectory.critical_error is None and len(turns) == 3
     assert contiguity_violation(turns) is None and not any("contiguity_error" in t for t in turns)

@@ -229,6 +229,11 @@ class SideResult:
     def cpu_ms_per_rollout(self, role: str) -> float:
         return 1000 * self.cpu_s.get(role, 0.0) / self.rollouts
 
+    @property
+    def all_cpu_ms_per_rollout(self) -> float:
+        """Every watched process's CPU per rollout: orchestrator, model, resources server and the rest."""
+        return 1000 * sum(self.cpu_s.values()) / self.rollouts
+
 
 class ResourcesServerStats:
     def __init__(self, url: str) -> None:
@@ -359,7 +364,7 @@ def report_level(ours: SideResult, gym: SideResult) -> str:
             f"  {r.side:8s} {r.rollouts_per_s:7.1f} rollouts/s  phase {r.phase_s:6.2f} s  "
             f"orchestrator CPU {orchestrator_cpu_ms(r):6.1f} ms/rollout  (model {cpu['model']:.1f}, "
             f"resources server {cpu['resources server']:.1f}, other {cpu['other gym processes']:.1f}; "
-            f"all {sum(r.cpu_s.values()) * 1000 / r.rollouts:.1f})  "
+            f"all {r.all_cpu_ms_per_rollout:.1f})  "
             f"ok {r.ok}/{r.rollouts}, rewards {dict(sorted(r.rewards.items()))}"
         )
     gym_parts = ", ".join(
@@ -368,7 +373,7 @@ def report_level(ours: SideResult, gym: SideResult) -> str:
     lines.append(f"  gym orchestrator CPU by process (ms/rollout): {gym_parts}")
     # With every core busy, rollouts/s follow the CPU all processes spend per rollout. The model, the resources
     # server and Gym's idle processes are shared work: even an orchestrator that cost nothing would not pass this.
-    ours_all, gym_all = (sum(r.cpu_s.values()) * 1000 / r.rollouts for r in (ours, gym))
+    ours_all, gym_all = ours.all_cpu_ms_per_rollout, gym.all_cpu_ms_per_rollout
     shared = ours_all - orchestrator_cpu_ms(ours)
     lines.append(
         f"  CPU per rollout, all processes: gym/ours {gym_all / ours_all:.2f}x; "

@@ -43,8 +43,8 @@ def create_standin_app(
         raise ValueError("the stand-in model needs at least one scripted reply")
     replies = [tokenizer.encode(text) + [tokenizer.eos_token_id] for text in script]
     reply_texts = [tokenizer.decode(ids) for ids in replies]
-    assistant_start = tokenizer.encode(tokenizer.chat_template.render([], add_generation_prompt=True))
     template = tokenizer.chat_template
+    assistant_start = tokenizer.encode(template.render([], add_generation_prompt=True))
 
     @functools.lru_cache(maxsize=4096)
     def encode(text: str) -> tuple[int, ...]:
@@ -152,7 +152,7 @@ def create_standin_app(
             "generation_log_probs": [-0.1] * len(ids),
         }
         finish_reason = "stop"
-        if body.get("tools"):  # as the real server: Hermes <tool_call> blocks become OpenAI tool_calls
+        if tools:  # as the real server: Hermes <tool_call> blocks become OpenAI tool_calls
             parsed = parse_hermes(text)
             if parsed.tool_calls:
                 message["content"] = parsed.content or None

@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, Protocol
 
-import httpx
 from pydantic import BaseModel
 
 from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.service.json_http import JsonHttp
 from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS
 
 GenerationMode = Literal["tokens", "chat"]
@@ -46,18 +46,14 @@ def refusal(status: int, message: str) -> LLMRequestError:
     return LLMRequestError(status, message)
 
 
-def http_poster(http: httpx.AsyncClient, base_url: str) -> PostJSON:
-    """A PostJSON to one server: 4xx become LLMRequestError, other failures raise as httpx errors."""
+def http_poster(http: JsonHttp, base_url: str) -> PostJSON:
+    """A PostJSON to one server: 4xx become LLMRequestError, 5xx HttpStatusError, no answer HttpTransportError."""
     base = base_url.rstrip("/")
 
     async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = await http.post(base + path, json=body)
-        if 400 <= response.status_code < 500:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text
-            raise refusal(response.status_code, message)
+        response = await http.post(base + path, body)
+        if 400 <= response.status < 500:
+            raise refusal(response.status, response.error_message())
         response.raise_for_status()
         return response.json()
 
