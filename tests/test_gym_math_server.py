@@ -1,6 +1,7 @@
 """NeMo Gym runs our math environment as a resources server, offline, with the repo's venv:
 
-- `gym env test --resources-server prorl_math` passes from our plugin root;
+- `gym env test` passes for our resources servers (prorl_math, and the benchmark's prorl_bench) from our plugin
+  root;
 - `gym env start` + `gym eval run --no-serve`, with Gym's simple_agent and vllm_model on our local model server,
   produce rollouts whose items carry token ids that NeMo RL can train on (through both Gym wirings: the
   legacy_agent relay and the single-agent-turn environment server);
@@ -23,14 +24,14 @@ from unittest.mock import MagicMock
 import datasets.config
 import httpx
 import pytest
-
 from nemo_gym.base_resources_server import ResourcesCloseSessionRequest, ResourcesSeedSessionRequest
 from nemo_gym.episode_types import EpisodeId, TaskId
 from nemo_gym.server_utils import ServerClient
 from nemo_gym.testing.session_conformance import check_resources_session_contract
+
 from nemo_gym_prorl.gym import PLUGIN_ROOT
-from nemo_gym_prorl.gym.rows import task_rows
 from nemo_gym_prorl.gym.processes import free_port, gym_env_start, gym_environ, run_gym
+from nemo_gym_prorl.gym.rows import task_rows
 from nemo_gym_prorl.gym.venvs import SERVERS, ensure_venv_links
 from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
 from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, contiguity_violation
@@ -102,9 +103,12 @@ def repo_root_stays_clean() -> Any:
 
 
 @pytest.mark.slow
-async def test_gym_env_test_passes_for_our_resources_server(tmp_path: Path, repo_root_stays_clean: None) -> None:
+@pytest.mark.parametrize("server", ["prorl_math", "prorl_bench"])
+async def test_gym_env_test_passes_for_our_resources_servers(
+    server: str, tmp_path: Path, repo_root_stays_clean: None
+) -> None:
     out = await run_gym(
-        ["env", "test", "--resources-server", "prorl_math", f"hydra.run.dir={tmp_path / 'hydra'}"],
+        ["env", "test", "--resources-server", server, f"hydra.run.dir={tmp_path / 'hydra'}"],
         gym_environ(), REPO_ROOT, timeout_s=300,
     )
     assert " passed" in out and " failed" not in out and "uv: command not found" not in out

@@ -1,7 +1,8 @@
 """Our orchestrator drives real NeMo Gym resources servers over HTTP (a `type: gym` task), with the stand-in model:
 
-- the benchmark's `prorl_bench` (a free `add` tool): every rollout of a GRPO group seeds its own Gym session, its
-  tool calls reach the server's `/add` route under that session's cookie (the server counts them per session),
+- the benchmark's `prorl_bench` (a free `add` tool, two uvicorn workers): every rollout of a GRPO group seeds its own
+  Gym session, its tool calls reach the server's `/add` route under that session's cookie (which counts them, on
+  whichever worker serves the call),
   and the reward is the server's `/verify` verdict, diagnostics included; a wrong answer gets the server's zero;
 - our `prorl_math` (bash / finish in a bubblewrap sandbox the server owns): the tools run in the server's
   sandbox and the finish answer is graded there, and the sandbox is gone after verify;
@@ -36,8 +37,8 @@ from nemo_gym_prorl.bench.throughput import (
     write_jsonl,
 )
 from nemo_gym_prorl.envs.gym_resources import GymResourcesEnvironment
-from nemo_gym_prorl.gym.processes import gym_env_start, gym_environ
 from nemo_gym_prorl.gym import PLUGIN_ROOT
+from nemo_gym_prorl.gym.processes import gym_env_start, gym_environ
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
 from nemo_gym_prorl.service.orchestrator import JobRequest
@@ -53,7 +54,7 @@ MATH_SCRIPT = [
 SERVERS_CONFIG = """\
 prorl_bench:
   resources_servers:
-    prorl_bench: {entrypoint: app.py, domain: other}
+    prorl_bench: {entrypoint: app.py, domain: other, num_workers: 2}
 prorl_math:
   resources_servers:
     prorl_math: {entrypoint: app.py, domain: math, task: math/arithmetic, sandbox_backend: bwrap}

@@ -1,8 +1,10 @@
 """Rollout throughput, our service vs NeMo Gym's own simple_agent, with only the orchestrator different.
 
 Both sides run the same 3-tool-call task against the SAME processes: one Gym resources server (`prorl_bench`:
-an `add` tool that costs nothing, no sandbox) started by `gym env start`, and one deterministic instant stand-in
-model (three Hermes tool calls, then the answer) — so what differs is what drives them:
+an `add` tool that costs nothing, no sandbox) started by `gym env start` with one uvicorn worker per core (Gym's
+`num_workers`; with one, that server alone would cap either side at one core's worth of requests), and one
+deterministic instant stand-in model (three Hermes tool calls, then the answer) — so what differs is what drives
+them:
 
 - service: `run_service` (its pipeline at concurrency N: N rollouts in init+run, N/4 more in verify), the task a
   `type: gym` YAML pointing at the resources server, chat completions + Hermes on the stand-in; the jobs (one per
@@ -21,8 +23,9 @@ that phase:
   environment server + simple_agent + vllm_model.
 - the model's and the resources server's CPU per rollout are printed beside it: the same work on both sides.
 
-Checks: both sides finish every rollout, with the same rewards, and the resources server served 3 tool calls and
-one verify per rollout for each. The last line is the headline: the throughput ratio at each concurrency.
+Checks: both sides finish every rollout, with the same rewards; the resources server served 3 tool calls and one
+verify per rollout for each, and each rollout's /verify saw its own session's 3 calls. The last line is the
+headline: the throughput ratio at each concurrency.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ import asyncio
 import contextlib
 import json
 import os
-import sys
 import threading
 import time
 from collections import Counter
@@ -123,12 +125,8 @@ def gym_task_yaml(path: Path, rows_path: Path, resources_server_url: str, max_tu
 
 
 def link_venvs(root: Path) -> Path:
-    """Venv links for every server Gym starts here (ours, Gym's, and `prorl_bench`) under `root`."""
+    """Venv links for every server Gym starts here (ours, `prorl_bench` among them, and Gym's) under `root`."""
     ensure_venv_links(root)
-    link = root / "resources_servers" / RESOURCES_SERVER / ".venv"
-    link.parent.mkdir(parents=True, exist_ok=True)
-    if not link.is_symlink():
-        link.symlink_to(Path(sys.prefix).resolve(), target_is_directory=True)
     return root
 
 
@@ -215,7 +213,7 @@ class SideResult:
     concurrency: int
     rollouts: int
     ok: int
-    rewards: Counter[float]
+    verdicts: Counter[tuple[float, int]]  # (reward, `add` calls the rollout's session made), as /verify said
     phase_s: float
     tool_calls: int  # what the resources server served
     verifies: int
@@ -286,9 +284,13 @@ async def run_service_side(
     return await _side_result("service", concurrency, stats, sampler, trajectories_summary(trajectories))
 
 
-def trajectories_summary(trajectories: list[Trajectory]) -> tuple[int, int, Counter[float], list[str]]:
+Outcome = tuple[int, int, Counter[tuple[float, int]], list[str]]  # rollouts, ok, verdicts, errors
+
+
+def trajectories_summary(trajectories: list[Trajectory]) -> Outcome:
     errors = [f"{t.critical_error}: {t.error}" for t in trajectories if t.critical_error]
-    return len(trajectories), len(trajectories) - len(errors), Counter(t.reward for t in trajectories), errors
+    verdicts = Counter((t.reward, (t.evaluation or {}).get("tool_calls", 0)) for t in trajectories)
+    return len(trajectories), len(trajectories) - len(errors), verdicts, errors
 
 
 async def run_gym_side(
@@ -313,20 +315,20 @@ async def run_gym_side(
     results = [json.loads(line) for line in output.open()] if output.exists() else []
     failures = output.with_name("rollouts_failures.jsonl")
     errors = [line[:300] for line in failures.open()] if failures.exists() else []
-    summary = (n_rows * group, len(results), Counter(float(r["reward"]) for r in results), errors)
+    summary = (n_rows * group, len(results), Counter((float(r["reward"]), r["tool_calls"]) for r in results), errors)
     return await _side_result("gym", concurrency, await resources.read(), sampler, summary)
 
 
 async def _side_result(
     side: str, concurrency: int, stats: dict[str, Any], sampler: CpuSampler,
-    summary: tuple[int, int, Counter[float], list[str]],
+    summary: Outcome,
 ) -> SideResult:  # fmt: skip
-    rollouts, ok, rewards, errors = summary
+    rollouts, ok, verdicts, errors = summary
     t0, t1 = stats["first_seed_at"], stats["last_verify_at"]
     if t0 is None or t1 is None:
         raise RuntimeError(f"{side}: the resources server saw no complete rollout ({stats}); errors: {errors[:3]}")
     return SideResult(
-        side, concurrency, rollouts, ok, rewards, t1 - t0, stats["tool_calls"], stats["verifies"],
+        side, concurrency, rollouts, ok, verdicts, t1 - t0, stats["tool_calls"], stats["verifies"],
         await asyncio.to_thread(sampler.between, t0, t1), errors,
     )  # fmt: skip
 
@@ -351,8 +353,10 @@ def check_same_work(ours: SideResult, gym: SideResult) -> list[str]:
                 f"{r.side}: the resources server served {r.tool_calls} tool calls and {r.verifies} verifies "
                 f"for {r.rollouts} rollouts (expected {TOOL_CALLS_PER_ROLLOUT} and 1 each)"
             )
-    if ours.rewards != gym.rewards:
-        problems.append(f"rewards differ: service {dict(ours.rewards)} vs gym {dict(gym.rewards)}")
+        if any(calls != TOOL_CALLS_PER_ROLLOUT for _, calls in r.verdicts):
+            problems.append(f"{r.side}: a session's own tool calls, by verify: {dict(r.verdicts)}")
+    if ours.verdicts != gym.verdicts:
+        problems.append(f"verdicts differ: service {dict(ours.verdicts)} vs gym {dict(gym.verdicts)}")
     return problems
 
 
@@ -365,7 +369,7 @@ def report_level(ours: SideResult, gym: SideResult) -> str:
             f"orchestrator CPU {orchestrator_cpu_ms(r):6.1f} ms/rollout  (model {cpu['model']:.1f}, "
             f"resources server {cpu['resources server']:.1f}, other {cpu['other gym processes']:.1f}; "
             f"all {r.all_cpu_ms_per_rollout:.1f})  "
-            f"ok {r.ok}/{r.rollouts}, rewards {dict(sorted(r.rewards.items()))}"
+            f"ok {r.ok}/{r.rollouts}, (reward, session tool calls) {dict(sorted(r.verdicts.items()))}"
         )
     gym_parts = ", ".join(
         f"{role.removeprefix('gym ')} {gym.cpu_ms_per_rollout(role):.1f}" for role in GYM_ORCHESTRATOR_ROLES
@@ -383,7 +387,9 @@ def report_level(ours: SideResult, gym: SideResult) -> str:
     return "\n".join(lines)
 
 
-async def _run(levels: list[int], rollouts_per_slot: int, max_rollouts: int, group: int, warmup: int) -> None:
+async def _run(
+    levels: list[int], rollouts_per_slot: int, max_rollouts: int, group: int, warmup: int, resources_workers: int
+) -> None:
     with TemporaryDirectory(prefix="prorl-bench-throughput-") as tmp_name, CpuSampler() as sampler:
         tmp = Path(tmp_name)
         environ = gym_environ(link_venvs(tmp / "venvs"))
@@ -394,6 +400,7 @@ async def _run(levels: list[int], rollouts_per_slot: int, max_rollouts: int, gro
             start_args = [
                 "--resources-server", RESOURCES_SERVER, "--config", "configs/local_policy_model.yaml",
                 "--model", "standin", "--model-url", model.base_url, "--model-api-key", "dummy",
+                f"++{RESOURCES_SERVER}.resources_servers.{RESOURCES_SERVER}.num_workers={resources_workers}",
             ]  # fmt: skip
             async with gym_env_start(start_args, environ, tmp, tmp / "env_start.log") as env:
                 roles = {
@@ -463,5 +470,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--max-rollouts", type=int, default=2048, help="cap on the rollouts of one level")
     parser.add_argument("--group", type=int, default=8, help="samples per task (a GRPO group: --num-repeats / n)")
     parser.add_argument("--warmup", type=int, default=16, help="an unreported first round at this concurrency; 0: none")
+    parser.add_argument(
+        "--resources-workers", type=int, default=os.cpu_count() or 1,
+        help="uvicorn workers of the resources server (Gym's num_workers); default: one per core",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    asyncio.run(_run(args.levels, args.rollouts_per_slot, args.max_rollouts, args.group, args.warmup))
+    asyncio.run(
+        _run(args.levels, args.rollouts_per_slot, args.max_rollouts, args.group, args.warmup, args.resources_workers)
+    )
