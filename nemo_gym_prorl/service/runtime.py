@@ -16,6 +16,7 @@ from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.service.gc_tuning import GcSettings
 from nemo_gym_prorl.service.llm_client import GenerationMode
 from nemo_gym_prorl.service.llm_pool import LLMPool, LLMPoolConfig
 from nemo_gym_prorl.service.orchestrator import ModelSettings, Orchestrator
@@ -53,6 +54,7 @@ class ServiceSettings(BaseModel):
     max_body_bytes: int = Field(8 << 20, ge=1024)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     llm_pool: LLMPoolConfig = Field(default_factory=LLMPoolConfig)
+    gc: GcSettings = Field(default_factory=GcSettings)
 
 
 class ServiceConfig(BaseModel):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from nemo_gym_prorl.service.app import create_app, is_loopback
+from nemo_gym_prorl.service.gc_tuning import tuned_gc
 from nemo_gym_prorl.service.gym_agent import add_gym_agent_routes
 from nemo_gym_prorl.service.orchestrator import Orchestrator
 from nemo_gym_prorl.service.runtime import TOKEN_ENV, ServiceConfig, ServiceRuntime
@@ -47,7 +48,8 @@ async def run_service(config: ServiceConfig) -> AsyncIterator[RunningService]:
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         try:
-            yield RunningService(f"http://{config.service.host}:{port}", port, runtime.orchestrator, server, serving)
+            with tuned_gc(config.service.gc):
+                yield RunningService(f"http://{config.service.host}:{port}", port, runtime.orchestrator, server, serving)
         finally:
             server.should_exit = True
             await serving
