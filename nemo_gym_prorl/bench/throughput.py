@@ -23,6 +23,9 @@ that phase:
   environment server + simple_agent + vllm_model.
 - the model's and the resources server's CPU per rollout are printed beside it: the same work on both sides.
 
+This machine's speed drifts by tens of percent over minutes, so at each concurrency the service runs once before
+Gym's run and once after it (the same rollouts each time), and its figures are over both runs together.
+
 Checks: both sides finish every rollout, with the same rewards; the resources server served 3 tool calls and one
 verify per rollout for each, and each rollout's /verify saw its own session's 3 calls. The last line is the
 headline: the throughput ratio at each concurrency.
@@ -232,6 +235,15 @@ class SideResult:
         """Every watched process's CPU per rollout: orchestrator, model, resources server and the rest."""
         return 1000 * sum(self.cpu_s.values()) / self.rollouts
 
+    def __add__(self, other: SideResult) -> SideResult:
+        """Two runs of one side as one: rollouts over the sum of their phases."""
+        return SideResult(
+            self.side, self.concurrency, self.rollouts + other.rollouts, self.ok + other.ok,
+            self.verdicts + other.verdicts, self.phase_s + other.phase_s, self.tool_calls + other.tool_calls,
+            self.verifies + other.verifies, dict(Counter(self.cpu_s) + Counter(other.cpu_s)),
+            self.errors + other.errors,
+        )  # fmt: skip
+
 
 class ResourcesServerStats:
     def __init__(self, url: str) -> None:
@@ -268,9 +280,9 @@ def service_config(model_url: str, task_yaml: Path, concurrency: int, store: Pat
 
 async def run_service_side(
     model_url: str, resources: ResourcesServerStats, task_yaml: Path, rows: list[dict[str, Any]], group: int,
-    concurrency: int, sampler: CpuSampler, tmp: Path,
+    concurrency: int, sampler: CpuSampler, store: Path,
 ) -> SideResult:  # fmt: skip
-    config = service_config(model_url, task_yaml, concurrency, tmp / f"jobs-{concurrency}.db", group)
+    config = service_config(model_url, task_yaml, concurrency, store, group)
     async with run_service(config) as service:
         await resources.reset()
         # The whole batch at once, as a trainer hands it over. The results are durable, so waiting on the jobs in
@@ -361,7 +373,7 @@ def check_same_work(ours: SideResult, gym: SideResult) -> list[str]:
 
 
 def report_level(ours: SideResult, gym: SideResult) -> str:
-    lines = [f"concurrency {ours.concurrency}: {ours.rollouts} rollouts each"]
+    lines = [f"concurrency {ours.concurrency}: {gym.rollouts} rollouts by Gym, as many by the service before and after"]
     for r in (ours, gym):
         cpu = {role: r.cpu_ms_per_rollout(role) for role in ("model", "resources server", "other gym processes")}
         lines.append(
@@ -416,20 +428,28 @@ async def _run(
                 print(f"gym env up: {', '.join(env.servers)}; stand-in model at {model.base_url}", flush=True)
 
                 async def level(concurrency: int) -> tuple[SideResult, SideResult]:
+                    """Service, Gym, service again: the machine's speed drifts over minutes, and the service's two
+                    runs, together as long as Gym's one, are centred on it in time."""
                     rollouts = min(rollouts_per_slot * concurrency, max_rollouts)
                     n_rows = max(1, rollouts // group)
                     rows = [bench_row(i) for i in range(n_rows)]
                     rows_path = write_jsonl(tmp / f"rows-{concurrency}.jsonl", rows)
                     task_yaml = gym_task_yaml(tmp / f"task-{concurrency}.yaml", rows_path, resources.url)
-                    ours = await run_service_side(
-                        model.base_url, resources, task_yaml, rows, group, concurrency, sampler, tmp
-                    )
+
+                    async def ours(run: int) -> SideResult:
+                        return await run_service_side(
+                            model.base_url, resources, task_yaml, rows, group, concurrency, sampler,
+                            tmp / f"jobs-{concurrency}-{run}.db",
+                        )
+
+                    before = await ours(1)
                     gym = await run_gym_side(
                         env, resources, rows_path, n_rows, group, concurrency, sampler, environ, tmp
                     )
-                    if problems := check_same_work(ours, gym):
+                    after = await ours(2)
+                    if problems := check_same_work(before, gym) + check_same_work(after, gym):
                         raise SystemExit("throughput: the two sides did not do the same work:\n" + "\n".join(problems))
-                    return ours, gym
+                    return before + after, gym
 
                 if warmup:  # first requests pay for imports, connections and caches on both sides
                     ours, gym = await level(warmup)
