@@ -399,9 +399,22 @@ def report_level(ours: SideResult, gym: SideResult) -> str:
     return "\n".join(lines)
 
 
-async def _run(
-    levels: list[int], rollouts_per_slot: int, max_rollouts: int, group: int, warmup: int, resources_workers: int
-) -> None:
+@dataclass(frozen=True)
+class Plan:
+    levels: list[int]
+    rollouts_per_slot: int
+    min_rollouts: int
+    max_rollouts: int
+    group: int
+    warmup: int
+    resources_workers: int
+
+    def rollouts(self, concurrency: int) -> int:
+        """Per side at `concurrency`: enough that the ramp up and down stays a small part of the phase."""
+        return min(max(self.rollouts_per_slot * concurrency, self.min_rollouts), self.max_rollouts)
+
+
+async def _run(plan: Plan) -> None:
     with TemporaryDirectory(prefix="prorl-bench-throughput-") as tmp_name, CpuSampler() as sampler:
         tmp = Path(tmp_name)
         environ = gym_environ(link_venvs(tmp / "venvs"))
@@ -412,7 +425,7 @@ async def _run(
             start_args = [
                 "--resources-server", RESOURCES_SERVER, "--config", "configs/local_policy_model.yaml",
                 "--model", "standin", "--model-url", model.base_url, "--model-api-key", "dummy",
-                f"++{RESOURCES_SERVER}.resources_servers.{RESOURCES_SERVER}.num_workers={resources_workers}",
+                f"++{RESOURCES_SERVER}.resources_servers.{RESOURCES_SERVER}.num_workers={plan.resources_workers}",
             ]  # fmt: skip
             async with gym_env_start(start_args, environ, tmp, tmp / "env_start.log") as env:
                 roles = {
@@ -427,10 +440,10 @@ async def _run(
                 resources = ResourcesServerStats(env.servers[RESOURCES_SERVER]["url"])
                 print(f"gym env up: {', '.join(env.servers)}; stand-in model at {model.base_url}", flush=True)
 
-                async def level(concurrency: int) -> tuple[SideResult, SideResult]:
+                async def level(concurrency: int, rollouts: int) -> tuple[SideResult, SideResult]:
                     """Service, Gym, service again: the machine's speed drifts over minutes, and the service's two
                     runs, together as long as Gym's one, are centred on it in time."""
-                    rollouts = min(rollouts_per_slot * concurrency, max_rollouts)
+                    group = plan.group
                     n_rows = max(1, rollouts // group)
                     rows = [bench_row(i) for i in range(n_rows)]
                     rows_path = write_jsonl(tmp / f"rows-{concurrency}.jsonl", rows)
@@ -451,13 +464,13 @@ async def _run(
                         raise SystemExit("throughput: the two sides did not do the same work:\n" + "\n".join(problems))
                     return before + after, gym
 
-                if warmup:  # first requests pay for imports, connections and caches on both sides
-                    ours, gym = await level(warmup)
+                if plan.warmup:  # first requests pay for imports, connections and caches on both sides
+                    ours, gym = await level(plan.warmup, plan.rollouts_per_slot * plan.warmup)
                     rates = f"service {ours.rollouts_per_s:.1f}/s, gym {gym.rollouts_per_s:.1f}/s"
-                    print(f"warm-up at concurrency {warmup} (not reported): {rates}", flush=True)
+                    print(f"warm-up at concurrency {plan.warmup} (not reported): {rates}", flush=True)
                 results = []
-                for concurrency in levels:
-                    results.append(await level(concurrency))
+                for concurrency in plan.levels:
+                    results.append(await level(concurrency, plan.rollouts(concurrency)))
                     print(report_level(*results[-1]), flush=True)
 
     print(
@@ -487,6 +500,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="prorl bench throughput", description=__doc__.split("\n")[0])
     parser.add_argument("--levels", type=int, nargs="+", default=[64, 256, 1024], help="concurrency levels")
     parser.add_argument("--rollouts-per-slot", type=int, default=4, help="rollouts per level = this x concurrency")
+    parser.add_argument("--min-rollouts", type=int, default=1024, help="floor on the rollouts of one level")
     parser.add_argument("--max-rollouts", type=int, default=2048, help="cap on the rollouts of one level")
     parser.add_argument("--group", type=int, default=8, help="samples per task (a GRPO group: --num-repeats / n)")
     parser.add_argument("--warmup", type=int, default=16, help="an unreported first round at this concurrency; 0: none")
@@ -495,6 +509,4 @@ def main(argv: list[str]) -> None:
         help="uvicorn workers of the resources server (Gym's num_workers); default: one per core",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    asyncio.run(
-        _run(args.levels, args.rollouts_per_slot, args.max_rollouts, args.group, args.warmup, args.resources_workers)
-    )
+    asyncio.run(_run(Plan(**vars(args))))

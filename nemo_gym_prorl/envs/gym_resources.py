@@ -3,9 +3,10 @@
 The task's dataset holds Gym rows (``responses_create_params`` with the input messages and the tools, plus the
 server's own fields). An episode is a Gym session: ``/seed_session`` with the row (cookies carry the session, as
 Gym's agents do), each tool call a ``POST /<tool name>``, and grading ``/verify`` with the conversation as Gym
-Responses-API output. The resources server owns its sandboxes; this side holds none. Sessions seeded this way (Gym's legacy agent path,
-which every resources server accepts) have no close call: a cancelled episode's server-side state is the server's
-to expire. As in Gym's simple_agent, an assistant reply without a tool call ends the episode; ``/verify`` grades it.
+Responses-API output. The resources server owns its sandboxes; this side holds none. Sessions seeded this way
+(Gym's legacy agent path, which every resources server accepts) have no close call: a cancelled episode's
+server-side state is the server's to expire. As in Gym's simple_agent, an assistant reply without a tool call ends
+the episode; ``/verify`` grades it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def _content_text(content: Any) -> str:
     return "".join(part.get("text", "") for part in content or [] if isinstance(part, dict))
 
 
+GYM_SERVER_KEEPALIVE_S = 30.0  # how long Gym's servers keep an idle connection (uvicorn's timeout_keep_alive there)
+
+
 class GymResourcesEnvironment(Environment):
     plain_reply_ends_episode = True
 
@@ -51,7 +55,7 @@ class GymResourcesEnvironment(Environment):
             raise ValueError(f"task {task.name!r}: a gym task needs resources_server_url")
         super().__init__(task, sandbox_backend)
         self.url = task.resources_server_url.rstrip("/")
-        self.http = JsonHttp(timeout_s=task.tool_timeout_s + 30)
+        self.http = JsonHttp(timeout_s=task.tool_timeout_s + 30, keepalive_s=GYM_SERVER_KEEPALIVE_S / 2)
 
     @staticmethod
     def _params(instance: TaskInstance) -> dict[str, Any]:

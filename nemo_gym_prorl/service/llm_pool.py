@@ -45,6 +45,9 @@ class LLMPoolConfig(BaseModel):
     health_path: str = Field("/models", description="probed under the /v1 base; any answer below 500 is alive")
     failures_to_eject: int = Field(3, ge=1, description="consecutive failed requests or probes that eject a backend")
     max_connections: int = Field(1024, ge=1)
+    keepalive_s: float = Field(
+        4.0, gt=0, description="idle connections kept this long: under the backends' own keep-alive (vLLM's is 5 s)"
+    )
     max_tracked_trajectories: int = Field(100_000, ge=1, description="affinities kept; the oldest are forgotten")
 
 
@@ -92,6 +95,7 @@ class LLMPool:
             max_connections=config.max_connections,
             timeout_s=config.request_timeout_s,
             connect_timeout_s=config.connect_timeout_s,
+            keepalive_s=config.keepalive_s,
         )
         self._backends: dict[str, BackendState] = {}
         self._affinity: OrderedDict[str, BackendState] = OrderedDict()
