@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
@@ -94,3 +96,27 @@ def test_pipeline_benchmark_runs_and_ends_with_its_ratio() -> None:
 def test_unknown_benchmark_names_the_known_ones() -> None:
     result = prorl("bench", "warp")
     assert result.returncode == 2 and "model, pipeline, scale" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_benchmark_stopped_with_sigterm_leaves_no_process_behind() -> None:
+    """The throughput benchmark starts the most: a stand-in model, `gym env start` with its servers and Ray."""
+    bench = subprocess.Popen(
+        [*PRORL, "bench", "throughput", "--levels", "8", "--warmup", "0", "--min-rollouts", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert bench.stdout is not None
+    try:
+        for line in bench.stdout:
+            if line.startswith("gym env up"):
+                break
+        else:
+            pytest.fail(f"the benchmark ended before its servers were up (exit {bench.wait()})")
+        started = psutil.Process(bench.pid).children(recursive=True)
+        assert len(started) >= 5  # the model, gym env start, its four servers
+        bench.send_signal(signal.SIGTERM)
+        bench.communicate(timeout=120)
+    finally:
+        bench.kill()
+    alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [" ".join(p.cmdline())[:200] for p in alive]

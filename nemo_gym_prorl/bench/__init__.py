@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 
 
@@ -21,7 +22,14 @@ BENCHMARKS: dict[str, Callable[[list[str]], None]] = {
 }
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    signal.raise_signal(signal.SIGINT)
+
+
 def run_benchmark(name: str, args: list[str]) -> None:
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+    # SIGTERM stops a benchmark as Ctrl-C does: asyncio cancels it, and the servers, model processes and sandboxes
+    # it started (each in a session of its own, out of reach of the terminal's signals) are stopped on the way out.
+    signal.signal(signal.SIGTERM, _interrupt)
     BENCHMARKS[name](args)
