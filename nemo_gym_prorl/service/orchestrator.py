@@ -197,10 +197,10 @@ class Orchestrator:
         self.finished_rollouts[trajectory.critical_error or "ok"] += 1
         self.reward_sum += trajectory.reward
         self.pool.release(trajectory.trajectory_id)
-        job = self.store.job(job_id)
+        progress = self.store.progress(job_id)
         live = self._live.get(job_id)
-        if job is not None and len(self.store.result_samples(job_id)) >= job.n:
-            if job.state == "running":
+        if progress is not None and progress.finished >= progress.n:
+            if progress.state == "running":
                 self.store.set_state(job_id, "done")
             self._live.pop(job_id, None)
         if live is not None:
@@ -213,12 +213,14 @@ class Orchestrator:
 
     def view(self, job_id: str, results: bool = True) -> JobView | None:
         """The job's state and its finished samples; without `results`, only how many have finished."""
+        if not results:
+            progress = self.store.progress(job_id)
+            if progress is None:
+                return None
+            return JobView(job_id=job_id, state=progress.state, n=progress.n, finished=progress.finished, results=[])
         job = self.store.job(job_id)
         if job is None:
             return None
-        if not results:
-            finished = len(self.store.result_samples(job_id))
-            return JobView(job_id=job_id, state=job.state, n=job.n, finished=finished, results=[])
         done = list(self.store.results(job_id).values())
         return JobView(job_id=job_id, state=job.state, n=job.n, finished=len(done), results=done)
 
@@ -249,8 +251,8 @@ class Orchestrator:
 
     async def stream_json(self, job_id: str) -> AsyncIterator[tuple[int, str]]:
         """`stream()` with each trajectory as its stored JSON, for a caller that only sends it on."""
-        job = self.store.job(job_id)
-        if job is None:
+        progress = self.store.progress(job_id)
+        if progress is None:
             raise KeyError(job_id)
         sent: set[int] = set()
         while True:
@@ -260,10 +262,10 @@ class Orchestrator:
                 assert text is not None
                 sent.add(sample)
                 yield sample, text
-            if len(sent) >= job.n or live is None:
+            if len(sent) >= progress.n or live is None:
                 return
             async with live.finished:
-                if len(self.store.result_samples(job_id)) == len(sent):
+                if self.store.finished(job_id) == len(sent):
                     await live.finished.wait()
 
     async def close(self) -> None:
