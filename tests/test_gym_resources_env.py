@@ -37,8 +37,8 @@ from nemo_gym_prorl.bench.throughput import (
     write_jsonl,
 )
 from nemo_gym_prorl.envs.gym_resources import GymResourcesEnvironment
-from nemo_gym_prorl.gym import PLUGIN_ROOT
 from nemo_gym_prorl.gym.processes import gym_env_start, gym_environ
+from nemo_gym_prorl.gym import PLUGIN_ROOT
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
 from nemo_gym_prorl.service.orchestrator import JobRequest
@@ -54,7 +54,7 @@ MATH_SCRIPT = [
 SERVERS_CONFIG = """\
 prorl_bench:
   resources_servers:
-    prorl_bench: {entrypoint: app.py, domain: other, num_workers: 2}
+    prorl_bench: {entrypoint: app.py, domain: other}
 prorl_math:
   resources_servers:
     prorl_math: {entrypoint: app.py, domain: math, task: math/arithmetic, sandbox_backend: bwrap}

@@ -301,7 +301,7 @@ Outcome = tuple[int, int, Counter[tuple[float, int]], list[str]]  # rollouts, ok
 
 def trajectories_summary(trajectories: list[Trajectory]) -> Outcome:
     errors = [f"{t.critical_error}: {t.error}" for t in trajectories if t.critical_error]
-    verdicts = Counter((t.reward, (t.evaluation or {}).get("tool_calls", 0)) for t in trajectories)
+    verdicts = Counter((t.reward, t.evaluation.get("tool_calls", 0)) for t in trajectories)
     return len(trajectories), len(trajectories) - len(errors), verdicts, errors
 
 

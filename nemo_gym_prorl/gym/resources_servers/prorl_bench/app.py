@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, PrivateAttr
+
 from nemo_gym.base_resources_server import (
     BaseResourcesServerConfig,
     BaseRunRequest,
@@ -35,7 +37,6 @@ from nemo_gym.base_resources_server import (
     SimpleResourcesServer,
 )
 from nemo_gym.server_utils import SESSION_ID_KEY, is_nemo_gym_fastapi_entrypoint
-from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 ADD_CALLS_KEY = "prorl_bench_add_calls"  # in the session cookie
@@ -98,10 +99,8 @@ class EventLog:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
-    def append(self, event: Event) -> float:
-        at = time.monotonic()
-        os.write(self._fd, self.RECORD.pack(event, at))
-        return at
+    def append(self, event: Event) -> None:
+        os.write(self._fd, self.RECORD.pack(event, time.monotonic()))
 
     def stats(self) -> BenchStats:
         data = self.path.read_bytes()
