@@ -10,7 +10,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from nemo_gym_prorl.service.json_http import HttpConnectError, HttpStatusError, HttpTimeout, JsonHttp
+from nemo_gym_prorl.service.json_http import HttpConnectError, HttpStatusError, HttpTimeout, JsonHttp, set_cookies
 
 
 @pytest.fixture
@@ -19,7 +19,8 @@ async def server() -> AsyncIterator[str]:
         response = web.json_response(
             {"body": orjson.loads(await request.read()), "cookie": request.headers.get("cookie")}
         )
-        response.set_cookie("session", "abc123", path="/")
+        response.set_cookie("session", "abc123", path="/", httponly=True, samesite="lax")
+        response.headers.add("Set-Cookie", 'quoted="a b"; Max-Age=60')
         return response
 
     async def refuse(_: web.Request) -> web.Response:
@@ -51,9 +52,14 @@ async def test_posts_json_and_hands_back_body_and_cookies(server: str) -> None:
         response = await http.post(f"{server}/echo", {"a": [1, 2], 3: "int key"}, headers={"cookie": "session=old"})
         assert response.status == 200
         assert response.json() == {"body": {"a": [1, 2], "3": "int key"}, "cookie": "session=old"}
-        assert response.cookies == {"session": "abc123"}
+        assert response.cookies == {"session": "abc123", "quoted": '"a b"'}  # as sent, to send back as is
     finally:
         await http.aclose()
+
+
+def test_set_cookie_headers_read_as_rfc6265_says() -> None:
+    headers = ["a=1; Path=/", " b = x=y ; HttpOnly", "no-equals-sign", "=nameless", "c=", "a=2"]
+    assert set_cookies(headers) == {"a": "2", "b": "x=y", "c": ""}
 
 
 async def test_an_error_answer_names_the_servers_message(server: str) -> None:

@@ -16,7 +16,7 @@ is made on first use, on the running loop: building a client opens nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,19 @@ class JsonResponse:
     def raise_for_status(self) -> None:
         if self.status >= 400:
             raise HttpStatusError(self.status, self.error_message())
+
+
+def set_cookies(headers: Iterable[str]) -> dict[str, str]:
+    """Name → value of Set-Cookie headers, read the way RFC 6265 §5.2 tells a user agent to: the pair before the
+    first ``;``, split at its first ``=``, the value kept as sent (quotes too) so it goes back as the server wrote
+    it. The attributes (path, expiry, ...) are not read: a caller sends an episode's cookies back to the server that
+    set them. (aiohttp's ``response.cookies`` builds a ``SimpleCookie`` per answer, a few % of the service's CPU.)"""
+    cookies = {}
+    for header in headers:
+        name, has_value, value = header.split(";", 1)[0].partition("=")
+        if has_value and (name := name.strip()):
+            cookies[name] = value.strip()
+    return cookies
 
 
 class HttpStatusError(Exception):
@@ -128,8 +141,7 @@ class JsonHttp:
                 method, url, data=data, headers=headers, timeout=timeout, allow_redirects=False
             ) as response:
                 content = await response.read()
-                cookies = {name: morsel.value for name, morsel in response.cookies.items()}
-                return JsonResponse(response.status, content, cookies)
+                return JsonResponse(response.status, content, set_cookies(response.headers.getall("Set-Cookie", ())))
         except aiohttp.ClientConnectorError as e:
             raise HttpConnectError(f"{method} {url}: {e}") from e
         except (TimeoutError, aiohttp.ServerTimeoutError) as e:
