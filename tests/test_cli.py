@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -98,8 +103,33 @@ def test_unknown_benchmark_names_the_known_ones() -> None:
     assert result.returncode == 2 and "model, pipeline, scale" in result.stderr
 
 
+def still_running(procs: list[psutil.Process], within_s: float) -> list[psutil.Process]:
+    """Those of `procs` that have not exited within `within_s` (a zombie has exited: nobody here may reap it)."""
+    deadline = time.monotonic() + within_s
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError), closing_fd(os.pidfd_open(proc.pid)) as pidfd:
+            select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))  # readable once it has exited
+    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@contextlib.contextmanager
+def closing_fd(fd: int) -> Iterator[int]:
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.slow
-def test_a_benchmark_stopped_with_sigterm_leaves_no_process_behind() -> None:
+@pytest.mark.parametrize(
+    ("stop", "within_s"),
+    [
+        (signal.SIGTERM, 0),  # the benchmark stops them itself before it exits
+        (signal.SIGKILL, 60),  # no cleanup runs: the kernel tells each server its parent died, and they stop
+    ],
+    ids=["SIGTERM", "SIGKILL"],
+)
+def test_a_benchmark_stopped_or_killed_leaves_no_process_behind(stop: signal.Signals, within_s: float) -> None:
     """The throughput benchmark starts the most: a stand-in model, `gym env start` with its servers and Ray."""
     bench = subprocess.Popen(
         [*PRORL, "bench", "throughput", "--levels", "8", "--warmup", "0", "--min-rollouts", "8"],
@@ -114,9 +144,9 @@ def test_a_benchmark_stopped_with_sigterm_leaves_no_process_behind() -> None:
             pytest.fail(f"the benchmark ended before its servers were up (exit {bench.wait()})")
         started = psutil.Process(bench.pid).children(recursive=True)
         assert len(started) >= 5  # the model, gym env start, its four servers
-        bench.send_signal(signal.SIGTERM)
+        bench.send_signal(stop)
         bench.communicate(timeout=120)
     finally:
         bench.kill()
-    alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = still_running(started, within_s)
     assert not alive, [" ".join(p.cmdline())[:200] for p in alive]

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import psutil
 
+from nemo_gym_prorl.child_lifetime import ends_with_parent
 from nemo_gym_prorl.gym import PLUGIN_ROOT
 
 GYM = Path(sys.executable).with_name("gym")
@@ -60,9 +61,10 @@ async def kill_session(sid: int) -> None:
         await asyncio.sleep(0.1)
 
 
-def _sigint_default() -> None:
-    """A child of a background job inherits SIGINT ignored, and gym would then ignore our stop signal."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _gym_preexec() -> Callable[[], None]:
+    """SIGINT is how gym stops its servers and Ray: what it gets from us when we stop it, and from the kernel if we
+    die first. A child of a background job inherits SIGINT ignored, so it is reset to the default first."""
+    return ends_with_parent(signal.SIGINT, then=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 async def run_gym(
@@ -71,7 +73,7 @@ async def run_gym(
     """Run one `gym` command in its own session (`on_start` gets its pid); its output. Nothing of it is left after."""
     proc = await asyncio.create_subprocess_exec(
         GYM, *args, cwd=cwd, env=environ, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True, preexec_fn=_sigint_default,
+        start_new_session=True, preexec_fn=_gym_preexec(),
     )  # fmt: skip
     if on_start is not None:
         on_start(proc.pid)
@@ -112,7 +114,7 @@ async def gym_env_start(
         proc = await asyncio.create_subprocess_exec(
             GYM, "env", "start", *args, f"+head_server.port={head_port}", f"hydra.run.dir={hydra_dir}",
             cwd=cwd, env=environ, stdout=log_file, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_sigint_default,
+            preexec_fn=_gym_preexec(),
         )  # fmt: skip
     head = f"http://127.0.0.1:{head_port}"
     try:

@@ -13,6 +13,7 @@ from typing import Self
 
 from pydantic import BaseModel
 
+from nemo_gym_prorl.child_lifetime import ends_with_parent
 from nemo_gym_prorl.models.server import READY_LINE
 
 
@@ -52,8 +53,9 @@ class ModelServerProcess:
 
     async def __aenter__(self) -> Self:
         self._process = await asyncio.create_subprocess_exec(
-            *self.argv, stdout=asyncio.subprocess.PIPE, start_new_session=True
-        )
+            *self.argv, stdout=asyncio.subprocess.PIPE, start_new_session=True,
+            preexec_fn=ends_with_parent(signal.SIGTERM),
+        )  # fmt: skip
         self.pid = self._process.pid
         try:
             port = await asyncio.wait_for(self._ready_port(), self.startup_timeout_s)
