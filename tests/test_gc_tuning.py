@@ -4,6 +4,7 @@ a trainer that runs the service in its own process keeps its GC as it was."""
 from __future__ import annotations
 
 import gc
+from contextlib import ExitStack
 
 import pytest
 from pydantic import ValidationError
@@ -20,6 +21,17 @@ def test_settings_apply_while_serving_and_the_process_gets_its_own_back() -> Non
         assert gc.isenabled()  # cycles are still collected
     assert gc.get_threshold() == before
     assert gc.get_freeze_count() == 0
+
+
+def test_services_running_at_once_keep_the_collector_tuned_until_the_last_stops() -> None:
+    before = gc.get_threshold()
+    first, second = ExitStack(), ExitStack()  # two services' lifetimes, overlapping without nesting
+    first.enter_context(tuned_gc(GcSettings(thresholds=(40_000, 15, 90))))
+    second.enter_context(tuned_gc(GcSettings(thresholds=(40_000, 15, 90))))
+    first.close()  # the first service stops while the second still serves
+    assert (gc.get_threshold(), gc.get_freeze_count() > 0) == ((40_000, 15, 90), True)
+    second.close()
+    assert (gc.get_threshold(), gc.get_freeze_count()) == (before, 0)
 
 
 def test_null_thresholds_and_no_freeze_leave_the_collector_alone() -> None:

@@ -12,6 +12,7 @@ takes tens of ms, negligible next to a model call).
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,19 +27,47 @@ class GcSettings(BaseModel):
     )
 
 
+class _SharedCollector:
+    """The process has one collector, and services running at once in it share it: the first to start saves the
+    process's own settings, the last to stop gives them back (an earlier stop would untune the others)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved_threshold = gc.get_threshold()
+        self._frozen = False
+
+    def enter(self, settings: GcSettings) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._saved_threshold = gc.get_threshold()
+            self._users += 1
+            if settings.thresholds is not None:
+                gc.set_threshold(*settings.thresholds)
+            if settings.freeze_at_start:
+                gc.collect()  # what is garbage already should not be frozen with the rest
+                gc.freeze()
+                self._frozen = True
+
+    def exit(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                if self._frozen:
+                    gc.unfreeze()
+                    self._frozen = False
+                gc.set_threshold(*self._saved_threshold)
+
+
+_collector = _SharedCollector()
+
+
 @contextmanager
 def tuned_gc(settings: GcSettings) -> Iterator[None]:
     """Apply `settings` for the block (call it once the service is up); the process's own settings come back
-    after, for a service run inside a longer-lived program."""
-    previous = gc.get_threshold()
-    if settings.thresholds is not None:
-        gc.set_threshold(*settings.thresholds)
-    if settings.freeze_at_start:
-        gc.collect()  # what is garbage already should not be frozen with the rest
-        gc.freeze()
+    after the last such block ends, for services run inside a longer-lived program."""
+    _collector.enter(settings)
     try:
         yield
     finally:
-        if settings.freeze_at_start:
-            gc.unfreeze()
-        gc.set_threshold(*previous)
+        _collector.exit()
