@@ -8,7 +8,9 @@
   sandbox and the finish answer is graded there, and the sandbox is gone after verify;
 - every assistant turn carries NeMo RL's token fields, contiguous across the rollout;
 - as in Gym's simple_agent, a reply without a tool call ends the episode and the server grades it;
-- stopping the service closes the environment's HTTP client.
+- stopping the service closes the environment's HTTP client;
+- NeMo Gym's agent `/run` on such a service: the row (its `responses_create_params` and its own columns, even one
+  named `task`) reaches the server as Gym's agents send it, and the verify response echoes it.
 
 The servers are started the way Gym starts them, by `gym env start`, from a config naming only them.
 """
@@ -36,7 +38,9 @@ from nemo_gym_prorl.bench.throughput import (
     link_venvs,
     write_jsonl,
 )
+from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.envs.gym_resources import GymResourcesEnvironment
+from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.gym.processes import gym_env_start, gym_environ
 from nemo_gym_prorl.gym import PLUGIN_ROOT
 from nemo_gym_prorl.models.launcher import ModelServerProcess
@@ -44,6 +48,8 @@ from nemo_gym_prorl.models.standin import standin_argv
 from nemo_gym_prorl.service.orchestrator import JobRequest
 from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
 from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceRuntime, ServiceSettings
+from nemo_gym_prorl.service.gym_agent import GymRunRequest, gym_verify_response
+from nemo_gym_prorl.service.serve import run_service
 from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
 
 MATH_ROW = json.loads((PLUGIN_ROOT / "resources_servers/prorl_math/data/example.jsonl").open().readline())
@@ -228,3 +234,57 @@ def test_prorl_bench_example_rows_are_the_benchmarks_rows() -> None:
     assert rows == [bench_row(i) for i in range(len(rows))], (
         "prorl_bench's data/example.jsonl is stale; rewrite it from nemo_gym_prorl.bench.throughput.bench_row"
     )
+
+
+@pytest.mark.slow
+async def test_gym_run_on_a_gym_task_sends_the_whole_row_to_the_resources_server(servers: Servers) -> None:
+    # `task` and `_rowidx` are the row's own columns (Gym's iheval rows dispatch /verify on `task`).
+    row = bench_row(0) | {"task": "verb-extract", "_rowidx": 7}
+    config = service_config(servers, "prorl_bench", [bench_row(0)], max_turns=len(SCRIPT))
+    async with run_service(config) as service, httpx.AsyncClient(base_url=service.url, timeout=60) as http:
+        answer = await http.post("/run", json=row)
+        unknown = await http.post("/run", json=row | {"prorl_task": "chess"})
+
+    assert answer.status_code == 200, answer.text
+    verified = answer.json()
+    assert (verified["reward"], verified["mask_sample"], verified["evaluation"]["tool_calls"]) == (1.0, False, 3)
+    assert (verified["task"], verified["_rowidx"]) == ("verb-extract", 7)
+    assert verified["responses_create_params"] == row["responses_create_params"]
+    assert (unknown.status_code, unknown.json()["error"]["field"]) == (422, "prorl_task")
+
+
+def test_a_rows_earlier_tool_calls_and_their_results_are_in_the_prompt(tmp_path: Path) -> None:
+    """Rows of Gym's citation_if, iheval, ... hold past function calls and outputs in their input, as Gym's
+    vllm_model turns them into chat messages."""
+    row = bench_row(0)
+    row["responses_create_params"]["input"] = [
+        {"role": "developer", "content": "Use the tools."},
+        {"role": "user", "content": [{"type": "input_text", "text": "What is "}, {"type": "input_text", "text": "1 + 2?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 1, "b": 2}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"sum": 3}'},
+        {"role": "user", "content": "Now answer."},
+    ]
+    task = load_task(str(gym_task_yaml(tmp_path / "task.yaml", write_jsonl(tmp_path / "rows.jsonl", [row]), "http://x")))
+    env = GymResourcesEnvironment(task)
+    messages = env.prompt_messages(TaskInstance(instance_id="0", data=row))
+    assert messages == [
+        {"role": "system", "content": "Use the tools."},
+        {"role": "user", "content": "What is 1 + 2?"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}],
+        },
+        {"role": "tool", "content": '{"sum": 3}', "tool_call_id": "call_1"},
+        {"role": "user", "content": "Now answer."},
+    ]
+    row["responses_create_params"]["input"] = [{"type": "compaction", "encrypted_content": "..."}]
+    with pytest.raises(ValueError, match="responses_create_params"):
+        env.prompt_messages(TaskInstance(instance_id="0", data=row))
+
+
+def test_a_sample_the_gym_server_masks_stays_masked_in_the_verify_response() -> None:
+    """A judge outage or a lost container: the server's reward is no measurement, and NeMo RL must not train on it."""
+    verdict = {"mask_sample": True, "failure_kind": "judge_unavailable", "failure_reason": "judge answered 503"}
+    trajectory = Trajectory(instance_id="0", trajectory_id="j:0", reward=0.0, evaluation=verdict)
+    body = gym_verify_response(GymRunRequest.model_validate(bench_row(0)), trajectory, "policy")
+    assert {k: body[k] for k in verdict} == verdict

@@ -14,6 +14,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from nemo_gym.openai_utils import NeMoGymResponseCreateParamsNonStreaming
+from nemo_gym.responses_converter import ResponsesConverter
+from pydantic import ValidationError
+
 from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Submission
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.envs.task import TaskConfig
@@ -38,10 +42,20 @@ def _cookie_header(cookies: dict[str, str]) -> dict[str, str]:
     return {"cookie": "; ".join(f"{name}={value}" for name, value in cookies.items())} if cookies else {}
 
 
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content or [] if isinstance(part, dict))
+# Gym's own Responses → chat conversion, as its vllm_model applies it to every request: function_call /
+# function_call_output items become assistant tool calls and tool messages, reasoning items <think> text.
+_RESPONSES_TO_CHAT = ResponsesConverter(return_token_id_information=False)
+
+
+def _chat_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A converted message as our templates take it: text parts joined into one string (other parts, an image
+    say, stay a list for a chat server to read), the developer role as system."""
+    content = message.get("content")
+    if isinstance(content, list) and all(part.get("type") == "text" for part in content):
+        message = message | {"content": "".join(part.get("text", "") for part in content)}
+    if message["role"] == "developer":
+        message = message | {"role": "system"}
+    return message
 
 
 GYM_SERVER_KEEPALIVE_S = 30.0  # how long Gym's servers keep an idle connection (uvicorn's timeout_keep_alive there)
@@ -65,16 +79,14 @@ class GymResourcesEnvironment(Environment):
         return params
 
     def prompt_messages(self, instance: TaskInstance) -> list[dict[str, Any]]:
-        params = self._params(instance)
-        raw = params.get("input")
-        if isinstance(raw, str):
-            return [{"role": "user", "content": raw}]
-        if not isinstance(raw, list) or not raw:
-            raise ValueError("responses_create_params.input must be a string or a non-empty list of messages")
-        messages = [{"role": "system", "content": params["instructions"]}] if params.get("instructions") else []
-        for item in raw:
-            role = "system" if item.get("role") == "developer" else item.get("role", "user")
-            messages.append({"role": role, "content": _content_text(item.get("content"))})
+        try:
+            request = NeMoGymResponseCreateParamsNonStreaming.model_validate(self._params(instance))
+            chat = _RESPONSES_TO_CHAT.responses_to_chat_completion_create_params(request)
+        except (ValidationError, NotImplementedError) as e:
+            raise ValueError(f"responses_create_params: {e}") from e
+        messages = [_chat_message(m) for m in chat.model_dump(exclude_none=True)["messages"]]
+        if not messages:
+            raise ValueError("responses_create_params.input must be a string or a non-empty list of items")
         return messages
 
     def tool_schemas(self, instance: TaskInstance | None = None) -> list[dict[str, Any]]:

@@ -4,7 +4,10 @@
 NeMo RL's GRPO calls ``/run`` once per row and trains on the output items that carry ``prompt_token_ids``,
 ``generation_token_ids`` and ``generation_log_probs`` (see ``gym.output_items``). The row's sampling parameters
 (``temperature``, ``top_p``, ``max_output_tokens``) pass through unchanged. Extra row keys (``_rowidx``,
-``_ng_task_index``, …) are accepted; every call is a fresh rollout, so calling again for the same row is safe.
+``_ng_task_index``, …) are accepted; every call is a fresh rollout, so calling again for the same row is safe. A row
+picks one of the service's tasks with ``prorl_task`` (default: the first); the rest of it, ``responses_create_params``
+included, is the task instance. When a Gym resources server's /verify masks a sample (``mask_sample``, with its
+``failure_kind`` and ``failure_reason``), the verify response says so too.
 
 ``gym eval run`` calls ``/aggregate_metrics`` once its rollouts are written, with each verify response stripped of
 ``response`` and ``responses_create_params``; the answer is Gym's ``AggregateMetrics``, computed by Gym's own
@@ -27,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from nemo_gym_prorl.gym.output_items import gym_output_items
 from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.service.app import bearer_guard
-from nemo_gym_prorl.service.orchestrator import JobRequest, Orchestrator
+from nemo_gym_prorl.service.orchestrator import JobRequest, Orchestrator, RejectedJob
 from nemo_gym_prorl.service.trajectory import Trajectory
 
 _FAILURE_KINDS = {
@@ -37,14 +40,16 @@ _FAILURE_KINDS = {
     "timeout": AGENT_TIMEOUT,
     "cancelled": CANCELLED,
 }
-# Row keys that are Gym's bookkeeping, not task data.
-_GYM_KEYS = {"responses_create_params", "agent_ref", "_ng_rollout_id"}
+# Row keys that are Gym's bookkeeping, not task data. `responses_create_params` is task data: a Gym resources
+# server's task reads its prompt and tools there, and Gym's agents send it to /seed_session and /verify.
+_GYM_KEYS = {"agent_ref", "_ng_rollout_id"}
+TASK_KEY = "prorl_task"  # not `task`: that is a column of some Gym datasets (iheval's verify dispatches on it)
 
 
 class GymRunRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     responses_create_params: dict[str, Any] = Field(default_factory=dict)
-    task: str | None = Field(None, description="which of the service's tasks the row belongs to")
+    prorl_task: str | None = Field(None, description="the service's task the row belongs to (default: the first)")
 
 
 def row_sampling(params: dict[str, Any]) -> SamplingParams:
@@ -59,7 +64,12 @@ def row_sampling(params: dict[str, Any]) -> SamplingParams:
 
 
 def gym_verify_response(row: GymRunRequest, trajectory: Trajectory, model: str) -> dict[str, Any]:
-    masked = trajectory.critical_error is not None or any(m.get("mask") for m in trajectory.messages)
+    verdict = trajectory.evaluation  # what the grader said beside the reward: a Gym server's own mask and failure
+    masked = (
+        trajectory.critical_error is not None
+        or any(m.get("mask") for m in trajectory.messages)
+        or bool(verdict.get("mask_sample"))
+    )
     response = {
         "id": f"resp_{trajectory.trajectory_id}",
         "object": "response",
@@ -71,12 +81,12 @@ def gym_verify_response(row: GymRunRequest, trajectory: Trajectory, model: str) 
         "tools": [],
     }
     body = {
-        **row.model_dump(exclude={"task"}),
+        **row.model_dump(exclude={TASK_KEY}),
         "response": response,
         "reward": trajectory.reward,
         "mask_sample": masked,
-        "failure_kind": _FAILURE_KINDS.get(trajectory.critical_error or ""),
-        "failure_reason": trajectory.error,
+        "failure_kind": _FAILURE_KINDS.get(trajectory.critical_error or "") or verdict.get("failure_kind"),
+        "failure_reason": trajectory.error or verdict.get("failure_reason"),
     }
     BaseVerifyResponse.model_validate(body)  # the shape Gym and NeMo RL read; fails loudly here, not there
     return body | {
@@ -93,10 +103,13 @@ def gym_verify_response(row: GymRunRequest, trajectory: Trajectory, model: str) 
 def add_gym_agent_routes(app: FastAPI, orchestrator: Orchestrator, token: str | None) -> None:
     @app.post("/run", dependencies=[bearer_guard(token)])
     async def run(row: GymRunRequest) -> dict[str, Any]:
-        instance = {k: v for k, v in (row.model_extra or {}).items() if k not in _GYM_KEYS}
-        job_id = orchestrator.submit(
-            JobRequest(task=row.task, instance=instance, sampling_params=row_sampling(row.responses_create_params))
-        )
+        instance = {k: v for k, v in row.model_dump(exclude={TASK_KEY}).items() if k not in _GYM_KEYS}
+        sampling = row_sampling(row.responses_create_params)
+        request = JobRequest(task=row.prorl_task, instance=instance, sampling_params=sampling)
+        try:
+            job_id = orchestrator.submit(request)
+        except RejectedJob as e:  # named as the row names it
+            raise RejectedJob({"task": TASK_KEY, "instance": "row"}.get(e.field, e.field), e.message) from None
         view = await orchestrator.wait(job_id)
         return gym_verify_response(row, view.results[0], orchestrator.model.name)
 

@@ -75,6 +75,7 @@ class RejectedJob(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
 
 
 class JobConflict(KeyError):
