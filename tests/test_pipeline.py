@@ -16,6 +16,7 @@ from nemo_gym_prorl.envs.math import MathEnvironment
 from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.sandbox.base import SandboxError
 from nemo_gym_prorl.service.agent_loop import AgentLoop
 from nemo_gym_prorl.service.llm_client import TokenInTokenOut
 from nemo_gym_prorl.service.pipeline import PipelineConfig, Rollout, RolloutPipeline, StageConfig
@@ -40,6 +41,17 @@ class SlowMathEnvironment(MathEnvironment):
         self.entered["eval"].set()
         await asyncio.sleep(self.eval_s)
         return await super().grade(instance, submission)
+
+
+class UnclosableSandboxEnvironment(MathEnvironment):
+    """Closing the sandbox fails, as bwrap's close does when its cgroup keeps processes past SIGKILL (the test's
+    sandbox is really closed first, so nothing is left behind)."""
+
+    async def close(self, episode: Episode) -> None:
+        had_sandbox = episode.sandbox is not None
+        await super().close(episode)
+        if had_sandbox:
+            raise SandboxError("cgroup still has processes [123] after SIGKILL")
 
 
 class BlockingModel(ScriptedModel):
@@ -175,3 +187,22 @@ async def test_live_sandboxes_are_capped(task, tokenizer: Tokenizer) -> None:
         model.release.set()
         trajectories = await asyncio.gather(*(r.done for r in rollouts))
     assert all(t.critical_error is None for t in trajectories)
+
+
+async def test_a_sandbox_that_will_not_close_fails_its_rollout_not_the_worker(task, tokenizer: Tokenizer) -> None:
+    one_worker = config(run=StageConfig(workers=1))
+    unclosable = UnclosableSandboxEnvironment(task, "bwrap")
+    async with RolloutPipeline(one_worker) as pipeline:
+        blocking = BlockingModel(tokenizer)
+        finished, cancelled = rollout(unclosable, ScriptedModel(tokenizer, ["\\boxed{42}"])), rollout(unclosable, blocking)
+        pipeline.submit([finished, cancelled])
+        await asyncio.wait_for(blocking.started.wait(), 30)
+        await pipeline.cancel(cancelled)
+        healthy = rollout(make_environment(task, "bwrap"), ScriptedModel(tokenizer, ["\\boxed{42}"]))
+        pipeline.submit([healthy])  # the one run worker is still there for it
+        results = await asyncio.wait_for(asyncio.gather(finished.done, cancelled.done, healthy.done), 60)
+    assert [t.critical_error for t in results] == ["run", "cancelled", None]
+    assert results[0].error.startswith("closing the sandbox failed: ") and "still has processes [123]" in results[0].error
+    assert results[0].finish == "answer"  # what the rollout did is kept; the sample is marked, not dropped
+    assert results[1].error.startswith("cancelled during run; closing the sandbox failed")
+    assert sandboxes_left() == []

@@ -17,6 +17,7 @@ a trajectory whose ``critical_error`` says what ended it (init/run/eval/timeout/
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import traceback
 import uuid
@@ -30,6 +31,8 @@ from nemo_gym_prorl.envs.base import Environment, Episode, Submission
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.service.agent_loop import AgentLoop, AgentOutcome
 from nemo_gym_prorl.service.trajectory import Trajectory
+
+_log = logging.getLogger(__name__)
 
 Stage = Literal["init", "run", "eval"]
 STAGES: tuple[Stage, ...] = ("init", "run", "eval")
@@ -241,8 +244,10 @@ class RolloutPipeline:
             self._enqueue("run", rollout)
         elif stage == "run":
             rollout.run_completed = True
-            await self._close_sandbox(rollout)
-            self._enqueue("eval", rollout)
+            if failure := await self._close_sandbox(rollout):
+                await self._finish(rollout, "run", failure)
+            else:
+                self._enqueue("eval", rollout)
         else:
             await self._finish(rollout, None, None)
 
@@ -258,25 +263,33 @@ class RolloutPipeline:
             t.num_tool_calls, t.num_format_errors = outcome.num_tool_calls, outcome.num_format_errors
         t.critical_error = critical_error  # type: ignore[assignment]
         t.error = error
-        if critical_error is not None and not rollout.run_completed:
-            t.finish = "error"
         try:
-            await self._close_sandbox(rollout)
+            if failure := await self._close_sandbox(rollout):  # said, never hidden behind the first error
+                t.critical_error = t.critical_error or "eval"  # type: ignore[assignment]
+                t.error = f"{t.error}; {failure}" if t.error else failure
         finally:
+            if t.critical_error is not None and not rollout.run_completed:
+                t.finish = "error"
             self._live.discard(rollout)
             if not rollout.done.done():
                 rollout.done.set_result(t)
 
-    async def _close_sandbox(self, rollout: Rollout) -> None:
-        """Close the rollout's sandbox (shielded: a cancelled caller never leaks it) and give its slot back."""
+    async def _close_sandbox(self, rollout: Rollout) -> str | None:
+        """Close the rollout's sandbox (shielded: a cancelled caller never leaks it) and give its slot back; what
+        went wrong closing it, if anything. A sandbox that will not close (processes that survive SIGKILL, a
+        workspace that cannot be removed) fails its rollout, not the worker that runs it."""
         episode, rollout.episode = rollout.episode, None
         try:
             if episode is not None:
                 await asyncio.shield(rollout.env.close(episode))
+        except Exception as e:
+            _log.error("rollout %s: closing its sandbox failed", rollout.trajectory.trajectory_id, exc_info=e)
+            return f"closing the sandbox failed: {''.join(traceback.format_exception_only(e)).strip()}"
         finally:
             if rollout.holds_sandbox_slot:
                 rollout.holds_sandbox_slot = False
                 self._sandbox_slots.release()
+        return None
 
 
 async def run_rollouts(
