@@ -26,6 +26,7 @@ from nemo_gym_prorl.service.client import RolloutClient, ServiceError
 from nemo_gym_prorl.service.orchestrator import JobRequest
 from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
 from nemo_gym_prorl.service.serve import RunningService, run_service
+from nemo_gym_prorl.service.store import JobStore
 from nemo_gym_prorl.service.trajectory import Trajectory, contiguity_violation
 
 SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]
@@ -211,6 +212,28 @@ async def test_results_survive_a_restart_and_unfinished_jobs_are_requeued(instan
         assert (await client.get("finished")).results[0].reward == 1.0
         view = await client.wait("in-flight")
     assert view.state == "done" and view.results[0].reward == 1.0
+
+
+async def test_a_stop_cuts_open_streams_and_blocking_calls_instead_of_waiting_for_their_rollouts(
+    slow_model: str, tmp_path: Path
+) -> None:
+    async with asyncio.timeout(300), contextlib.AsyncExitStack() as clients:  # a guard: the old stop waited 60 s
+        async with service(slow_model, tmp_path, shutdown_grace_s=0.5) as svc:
+            client = await clients.enter_async_context(RolloutClient(svc.url))
+            job_id = await client.submit(JobRequest(instance=ROW, job_id="streamed"))
+            streamed = asyncio.create_task(client.wait(job_id))
+            blocking = asyncio.create_task(client.process(ROW | {"id": "q2"}))
+            async with asyncio.timeout(60):
+                while svc.orchestrator.pipeline.status()["run"]["active"] < 2:
+                    await asyncio.sleep(0.05)
+        for cut in (streamed, blocking):  # each caller hears that the service went away
+            with pytest.raises((httpx.HTTPError, ServiceError)):
+                await cut
+    store = JobStore(tmp_path / "service.db")
+    try:  # the rollouts were stopped, not waited for: their jobs are in flight for the next start to requeue
+        assert store.progress("streamed").finished == 0 and store.progress("streamed").state == "running"
+    finally:
+        store.close()
 
 
 async def test_a_model_backend_killed_mid_rollout_is_retried_on_another(tmp_path: Path) -> None:

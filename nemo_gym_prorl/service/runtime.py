@@ -55,6 +55,10 @@ class ServiceSettings(BaseModel):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     llm_pool: LLMPoolConfig = Field(default_factory=LLMPoolConfig)
     gc: GcSettings = Field(default_factory=GcSettings)
+    shutdown_grace_s: float = Field(
+        5.0, ge=0, description="on stop, how long open requests may go on before they are cut (a stream, a blocking "
+        "/process or /run would otherwise hold the stop until its rollout ends); their jobs stay for the next start",
+    )
 
 
 class ServiceConfig(BaseModel):

@@ -45,7 +45,11 @@ async def run_service(config: ServiceConfig) -> AsyncIterator[RunningService]:
         assert runtime.orchestrator is not None
         app = create_app(runtime.orchestrator, token, config.service.max_body_bytes)
         add_gym_agent_routes(app, runtime.orchestrator, token)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app, log_level="warning", lifespan="off", timeout_graceful_shutdown=config.service.shutdown_grace_s
+            )
+        )
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         try:
             with tuned_gc(config.service.gc):
