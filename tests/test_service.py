@@ -214,6 +214,37 @@ async def test_results_survive_a_restart_and_unfinished_jobs_are_requeued(instan
     assert view.state == "done" and view.results[0].reward == 1.0
 
 
+async def test_a_restart_settles_every_job_the_store_holds_even_one_that_no_longer_fits(
+    instant_model: str, tmp_path: Path
+) -> None:
+    """What a SIGKILL can leave in the store, and a task edited in between: none of it keeps the service down."""
+    def job(job_id: str, instance: dict, n: int, state: str, recorded: list[int]) -> None:
+        request = JobRequest(instance=instance, n=n, job_id=job_id)
+        store.add_job(job_id, request.model_dump(mode="json"), n)
+        store.set_state(job_id, state)
+        for sample in recorded:
+            store.add_result(job_id, sample, Trajectory(instance_id="q1", trajectory_id=f"{job_id}:{sample}", reward=1.0))
+
+    store = JobStore(tmp_path / "service.db")
+    try:
+        job("misfit", {"id": "q9", "prompt": "the row of an older task version"}, 2, "running", [])
+        job("all-recorded", ROW, 2, "running", [0, 1])  # killed before it was marked done
+        job("cancelled", ROW, 2, "cancelled", [0])  # killed before the cancel reached sample 1
+        job("in-flight", ROW, 1, "running", [])
+    finally:
+        store.close()
+
+    async with service(instant_model, tmp_path) as svc, RolloutClient(svc.url) as client:
+        misfit, recorded, cancelled = [await client.get(j) for j in ("misfit", "all-recorded", "cancelled")]
+        in_flight = await client.wait("in-flight")
+
+    assert misfit.state == "done" and [t.critical_error for t in misfit.results] == ["cancelled"] * 2
+    assert "cannot run here now" in misfit.results[0].error and "question" in misfit.results[0].error
+    assert (recorded.state, [t.reward for t in recorded.results]) == ("done", [1.0, 1.0])
+    assert cancelled.state == "cancelled" and [t.critical_error for t in cancelled.results] == [None, "cancelled"]
+    assert in_flight.state == "done" and in_flight.results[0].reward == 1.0
+
+
 async def test_a_stop_cuts_open_streams_and_blocking_calls_instead_of_waiting_for_their_rollouts(
     slow_model: str, tmp_path: Path
 ) -> None:

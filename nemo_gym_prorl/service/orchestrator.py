@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from nemo_gym_prorl.envs import Environment, make_environment
 from nemo_gym_prorl.envs.dataset import TaskInstance
@@ -26,7 +26,7 @@ from nemo_gym_prorl.service.agent_loop import AgentLoop
 from nemo_gym_prorl.service.llm_client import GenerationMode, turn_generator
 from nemo_gym_prorl.service.llm_pool import LLMPool
 from nemo_gym_prorl.service.pipeline import Rollout, RolloutPipeline, Stage
-from nemo_gym_prorl.service.store import JobStore, RecoveryPolicy, StoredJob
+from nemo_gym_prorl.service.store import JobState, JobStore, RecoveryPolicy, StoredJob
 from nemo_gym_prorl.service.trajectory import Trajectory
 from nemo_gym_prorl.tool_calls import ToolCallFormatName, tool_call_format
 
@@ -281,21 +281,36 @@ class Orchestrator:
     # -- restart -------------------------------------------------------------------------------------------------
 
     def recover(self, policy: RecoveryPolicy) -> list[str]:
-        """Jobs that were in flight when the service stopped: run their unfinished samples again, or fail them."""
+        """Jobs that were in flight when the service stopped: run their unfinished samples again, or fail them.
+
+        One job that cannot run here any more (its task gone, its row no longer fitting the task) fails, naming
+        why, instead of keeping the service from starting; a job whose samples were all recorded is marked done,
+        and a cancelled job gets its unrecorded samples as cancelled."""
         recovered = []
         for job in self.store.unfinished_jobs():
-            request = JobRequest.model_validate({k: v for k, v in job.request.items() if k != "job_id"} | {"job_id": job.job_id})
             done = self.store.result_samples(job.job_id)
             missing = [s for s in range(job.n) if s not in done]
-            if policy == "requeue" and request.task in (None, *self.envs):
-                env = self._env(request.task)
-                self._start(job.job_id, request, env, self._instance(env, request), missing)
-            else:
-                self._fail_unfinished(job, missing, "the service restarted while this sample was in flight")
             recovered.append(job.job_id)
+            if job.state == "cancelled":
+                reason = "cancelled; the service stopped before this sample ended"
+                self._fail_unfinished(job, missing, reason, state="cancelled")
+            elif not missing:  # the stop came between the last result and the job's state
+                self.store.set_state(job.job_id, "done")
+            elif policy == "fail":
+                self._fail_unfinished(job, missing, "the service restarted while this sample was in flight")
+            else:
+                try:
+                    request = JobRequest.model_validate(job.request | {"job_id": job.job_id})
+                    env = self._env(request.task)
+                    instance = self._instance(env, request)
+                except (ValidationError, RejectedJob) as e:
+                    reason = f"the service restarted while this sample was in flight; its job cannot run here now: {e}"
+                    self._fail_unfinished(job, missing, reason)
+                else:
+                    self._start(job.job_id, request, env, instance, missing)
         return recovered
 
-    def _fail_unfinished(self, job: StoredJob, samples: list[int], reason: str) -> None:
+    def _fail_unfinished(self, job: StoredJob, samples: list[int], reason: str, state: JobState = "done") -> None:
         for sample in samples:
             instance_id = str(job.request.get("instance_id") or "instance")
             trajectory = Trajectory(
@@ -306,7 +321,7 @@ class Orchestrator:
                 error=reason,
             )
             self.store.add_result(job.job_id, sample, trajectory)
-        self.store.set_state(job.job_id, "done")
+        self.store.set_state(job.job_id, state)
 
     def status(self) -> dict[str, Any]:
         return {

@@ -121,6 +121,7 @@ class JobStore:
     def unfinished_jobs(self) -> list[StoredJob]:
         rows = self._db.execute(
             "SELECT job_id, request, n, state, created, updated FROM jobs WHERE state IN ('queued', 'running') "
+            "OR (state = 'cancelled' AND (SELECT COUNT(*) FROM results WHERE results.job_id = jobs.job_id) < n) "
             "ORDER BY created"
         ).fetchall()
         return [_job(row) for row in rows]
