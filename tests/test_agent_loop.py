@@ -216,3 +216,23 @@ async def test_both_generation_modes_stay_contiguous_against_the_real_model_serv
     turns = trajectory.assistant_turns()
     assert trajectory.critical_error is None and len(turns) == 3
     assert contiguity_violation(turns) is None and not any("contiguity_error" in t for t in turns)
+
+
+async def test_a_turn_without_max_tokens_may_fill_the_context_as_in_chat_mode(tokenizer: Tokenizer, model_server) -> None:
+    """/v1/completions caps a request without max_tokens at 16 tokens (OpenAI's default; vLLM's and our server's)."""
+    from nemo_gym_prorl.service.json_http import JsonHttp
+    from nemo_gym_prorl.service.llm_client import http_poster
+
+    messages = [{"role": "user", "content": "Write three long sentences about the sea."}]
+    http = JsonHttp(timeout_s=120)
+    try:
+        post = http_poster(http, model_server.base_url)
+        turn = await TokenInTokenOut(post, "local", tokenizer, SamplingParams(seed=1), context_window=2048).generate(
+            messages, None, None
+        )
+        full = TokenInTokenOut(post, "local", tokenizer, SamplingParams(seed=1), context_window=len(turn.prompt_token_ids))
+        with pytest.raises(ContextLengthExceeded, match="fills the"):
+            await full.generate(messages, None, None)
+    finally:
+        await http.aclose()
+    assert len(turn.generation_token_ids) > 16 and turn.finish_reason == "stop"

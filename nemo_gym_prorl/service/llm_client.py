@@ -100,11 +100,19 @@ class TurnGenerator(Protocol):
 
 
 class TokenInTokenOut:
-    def __init__(self, post: PostJSON, model: str, tokenizer: Tokenizer, sampling: SamplingParams) -> None:
+    """`context_window`: what a turn may fill when the sampling params set no max_tokens. /v1/completions caps such
+    a turn at 16 tokens (OpenAI's default, which vLLM keeps), where chat completions give it the rest of the
+    context; this gives it the rest of the context too."""
+
+    def __init__(
+        self, post: PostJSON, model: str, tokenizer: Tokenizer, sampling: SamplingParams,
+        context_window: int | None = None,
+    ) -> None:  # fmt: skip
         self._post = post
         self.model = model
         self.tokenizer = tokenizer
         self.sampling = sampling
+        self.context_window = context_window
 
     def next_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, previous: Turn | None) -> list[int]:
         template = self.tokenizer.chat_template
@@ -121,7 +129,13 @@ class TokenInTokenOut:
     ) -> Turn:
         prompt = self.next_prompt(messages, tools, previous)
         body = {"model": self.model, "prompt": prompt, "logprobs": 0, "return_token_ids": True}
-        choice = (await self._post("/completions", body | _sampling_body(self.sampling)))["choices"][0]
+        body |= _sampling_body(self.sampling)
+        if "max_tokens" not in body and self.context_window is not None:
+            body["max_tokens"] = self.context_window - len(prompt)
+            if body["max_tokens"] < 1:
+                filled = f"the {len(prompt)}-token prompt fills the {self.context_window}-token context"
+                raise ContextLengthExceeded(400, filled)
+        choice = (await self._post("/completions", body))["choices"][0]
         return _checked_turn(
             Turn(
                 prompt_token_ids=prompt,
@@ -177,10 +191,11 @@ def _wire_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def turn_generator(
-    mode: GenerationMode, post: PostJSON, model: str, sampling: SamplingParams, tokenizer: Tokenizer | None
-) -> TurnGenerator:
+    mode: GenerationMode, post: PostJSON, model: str, sampling: SamplingParams, tokenizer: Tokenizer | None,
+    context_window: int | None = None,
+) -> TurnGenerator:  # fmt: skip
     if mode == "chat":
         return ChatCompletions(post, model, sampling)
     if tokenizer is None:
         raise ValueError("token-in/token-out generation needs the model's tokenizer")
-    return TokenInTokenOut(post, model, tokenizer, sampling)
+    return TokenInTokenOut(post, model, tokenizer, sampling, context_window)

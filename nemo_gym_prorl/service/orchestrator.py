@@ -87,6 +87,7 @@ class ModelSettings(BaseModel):
     name: str = Field(description="model name sent to the backends")
     generation_mode: GenerationMode = "tokens"
     tool_call_format: ToolCallFormatName = "codeact"
+    context_window: int | None = Field(None, description="tokens mode: what a turn without max_tokens may fill")
 
 
 class _LiveJob:
@@ -174,8 +175,9 @@ class Orchestrator:
             if sampling.seed is not None:  # reproducible, and different across the samples of a group
                 sampling = sampling.model_copy(update={"seed": sample_seed(sampling.seed, instance.instance_id, sample)})
             generator = turn_generator(
-                self.model.generation_mode, self.pool.poster(trajectory_id), self.model.name, sampling, self.tokenizer
-            )
+                self.model.generation_mode, self.pool.poster(trajectory_id), self.model.name, sampling, self.tokenizer,
+                self.model.context_window,
+            )  # fmt: skip
             fmt = tool_call_format(env.task.tool_call_format or self.model.tool_call_format)
             rollout = Rollout(
                 env=env,

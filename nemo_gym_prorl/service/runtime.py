@@ -100,6 +100,7 @@ class ServiceRuntime:
                     name=config.model.served_model_name,
                     generation_mode=config.model.generation_mode,
                     tool_call_format=config.model.tool_call_format,
+                    context_window=config.model.n_ctx,
                 ),
                 tokenizer,
                 pool,
