@@ -517,3 +517,17 @@ async def test_waiting_requests_probe_ejected_backends_even_without_health_round
     async with LLMPool(config(failures_to_eject=1, max_retries=1), [backend.address]) as pool:
         body = await asyncio.wait_for(pool.post("t1", "/completions", {"prompt": [1]}), WAIT)
         assert body["backend"] == "a" and state(pool, backend).healthy and backend.completions == 2
+
+
+async def test_a_backend_that_refuses_what_another_serves_is_passed_over_and_ejected(
+    stand_in: Callable[[str], Awaitable[StandIn]],
+) -> None:
+    """A backend added with another model name (or base path, or key) answers 404 to everything, instantly: it
+    would win the least-in-flight routing and fail most new trajectories."""
+    good, wrong = await stand_in("good"), await stand_in("wrong")
+    wrong.fail_next, wrong.fail_status = 100, 404
+    async with LLMPool(config(failures_to_eject=2), [good.address, wrong.address]) as pool:
+        answers = [(await pool.post(f"t{i}", "/completions", {}))["backend"] for i in range(6)]
+        assert answers == ["good"] * 6
+        assert not state(pool, wrong).healthy and "404" in (state(pool, wrong).last_error or "")
+        assert state(pool, good).healthy and state(pool, good).failures == 0

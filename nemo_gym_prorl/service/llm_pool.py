@@ -2,7 +2,9 @@
 
 A new trajectory goes to the healthy backend with the fewest requests in flight; its later requests stay there, so
 the backend's prefix cache holds the conversation so far. Transient failures (connect errors, timeouts, 5xx, 429)
-are retried with backoff, away from the backend that failed; a 4xx is the request's fault and is raised at once.
+are retried with backoff, away from the backend that failed; a 4xx is the request's fault and is raised at once,
+except a 401/403/404, which may be the backend's alone (another model name, base path or key): the request then
+tries the other backends, and if one of them answers it, each backend that refused it counts a failure.
 Backends that keep failing (requests or health probes) are ejected until a probe succeeds again. ``pause()`` lets
 the trainer sync weights: new requests wait, requests already at a server finish, and it returns when none is left.
 
@@ -25,9 +27,10 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_gym_prorl.service.json_http import HttpTransportError, JsonHttp
-from nemo_gym_prorl.service.llm_client import PostJSON, refusal
+from nemo_gym_prorl.service.llm_client import LLMRequestError, PostJSON, refusal
 
 log = logging.getLogger(__name__)
+_BACKEND_REFUSALS = frozenset({401, 403, 404})
 
 
 class LLMPoolConfig(BaseModel):
@@ -166,6 +169,7 @@ class LLMPool:
         no backend answers."""
         tried: set[str] = set()
         error: Exception | None = None
+        refused_by: list[tuple[BackendState, LLMRequestError]] = []  # a refusal another backend may not repeat
         for attempt in range(self.config.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self._backoff(attempt))
@@ -176,13 +180,21 @@ class LLMPool:
                 if response.status >= 500 or response.status == 429:
                     raise _Transient(f"HTTP {response.status}: {response.error_message()[:500]}")
                 if response.status >= 400:
+                    refused = refusal(response.status, response.error_message())
+                    if response.status in _BACKEND_REFUSALS and self._untried_healthy(tried | {backend.address}):
+                        refused_by.append((backend, refused))
+                        tried.add(backend.address)
+                        error = refused
+                        continue
                     self._succeeded(backend)  # the server is fine; the request is not
-                    raise refusal(response.status, response.error_message())
+                    raise refused
                 try:
                     body = response.json()
                 except ValueError as e:
                     raise _Transient(f"HTTP {response.status} with a body that is not JSON") from e
                 self._succeeded(backend)
+                for other, refused in refused_by:  # this backend took what they refused: the fault was theirs
+                    self._failed(other, f"{refused} (another backend answered the same request)")
                 return body
             except (HttpTransportError, _Transient) as e:
                 error = e
@@ -194,6 +206,9 @@ class LLMPool:
                 self._in_flight -= 1
                 self._notify()
         raise LLMUnavailable(f"{path} failed {self.config.max_retries + 1} times; last: {error}") from error
+
+    def _untried_healthy(self, tried: set[str]) -> bool:
+        return any(b.healthy and b.address not in tried for b in self._backends.values())
 
     async def _acquire(self, trajectory_id: str, tried: set[str]) -> BackendState:
         """Wait until not paused and a backend is healthy, then count a request in flight on it."""
