@@ -531,3 +531,14 @@ async def test_a_backend_that_refuses_what_another_serves_is_passed_over_and_eje
         assert answers == ["good"] * 6
         assert not state(pool, wrong).healthy and "404" in (state(pool, wrong).last_error or "")
         assert state(pool, good).healthy and state(pool, good).failures == 0
+
+
+async def test_waiting_requests_keep_probing_until_an_ejected_backend_is_back(stand_in) -> None:
+    backend = await stand_in("a")
+    backend.fail_next, backend.models_down = 1, True  # ejected by a request, and its first probes fail too
+    async with LLMPool(config(failures_to_eject=1, max_retries=1), [backend.address]) as pool:
+        waiting = asyncio.create_task(pool.post("t1", "/completions", {"prompt": [1]}))
+        await eventually(lambda: (state(pool, backend).last_error or "").startswith("health probe"))
+        backend.models_down = False  # the server is back after a probe found it down
+        body = await asyncio.wait_for(waiting, WAIT)
+        assert body["backend"] == "a" and state(pool, backend).healthy

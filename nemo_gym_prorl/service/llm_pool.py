@@ -305,6 +305,8 @@ class LLMPool:
     async def _probe_ejected(self) -> None:
         await asyncio.gather(*(self._probe(b) for b in list(self._backends.values()) if not b.healthy))
         await asyncio.sleep(1.0)  # a rate limit: the next on-demand round starts no sooner
+        self._on_demand_probe = None
+        self._notify()  # requests still waiting look again, and start the next round if none came back
 
     async def _health_loop(self) -> None:
         while True:
