@@ -184,6 +184,7 @@ async def test_live_sandboxes_are_capped(task, tokenizer: Tokenizer) -> None:
             while pipeline.status()["run"]["active"] < 2:
                 await asyncio.sleep(0.02)
         assert pipeline.status()["run"]["active"] == 2 and len([p for p in sandboxes_left() if p.name() == "bwrap"]) == 2
+        assert pipeline.status()["init"]["queued"] == 3  # held by init workers until a slot frees: still queued
         model.release.set()
         trajectories = await asyncio.gather(*(r.done for r in rollouts))
     assert all(t.critical_error is None for t in trajectories)

@@ -90,6 +90,7 @@ class RolloutPipeline:
         self.config = config
         self._queues: dict[Stage, asyncio.Queue[Rollout]] = {stage: asyncio.Queue() for stage in STAGES}
         self._active: dict[Stage, int] = dict.fromkeys(STAGES, 0)
+        self._held: dict[Stage, int] = dict.fromkeys(STAGES, 0)  # taken by a worker, waiting on intake or a slot
         self._workers: list[asyncio.Task[None]] = []
         self._sandbox_slots = asyncio.Semaphore(config.max_live_sandboxes)
         self._live: set[Rollout] = set()
@@ -150,8 +151,14 @@ class RolloutPipeline:
             await self._finish(rollout, "cancelled", "cancelled while queued")
 
     def status(self) -> dict[str, dict[str, int]]:
+        """Per stage: rollouts waiting for it (a worker may hold them while the pipeline is paused or every sandbox
+        slot is taken), rollouts in it, and its workers."""
         return {
-            stage: {"queued": self._queues[stage].qsize(), "active": self._active[stage], "workers": getattr(self.config, stage).workers}
+            stage: {
+                "queued": self._queues[stage].qsize() + self._held[stage],
+                "active": self._active[stage],
+                "workers": getattr(self.config, stage).workers,
+            }
             for stage in STAGES
         }
 
@@ -169,15 +176,19 @@ class RolloutPipeline:
         queue = self._queues[stage]
         while True:
             rollout = await queue.get()
-            await self._intake.wait()
-            if rollout.cancelled:
-                continue
-            if stage == "init":
-                await self._sandbox_slots.acquire()
+            self._held[stage] += 1
+            try:
+                await self._intake.wait()
                 if rollout.cancelled:
-                    self._sandbox_slots.release()
                     continue
-                rollout.holds_sandbox_slot = True
+                if stage == "init":
+                    await self._sandbox_slots.acquire()
+                    if rollout.cancelled:
+                        self._sandbox_slots.release()
+                        continue
+                    rollout.holds_sandbox_slot = True
+            finally:
+                self._held[stage] -= 1
             rollout.trajectory.timing.queued += time.perf_counter() - rollout.enqueued_at
             self._active[stage] += 1
             rollout.current = asyncio.create_task(self._run_stage(stage, rollout))
