@@ -16,16 +16,19 @@ CHATML = (
 def test_continuation_after_an_eos_ended_generation_is_newline_then_next_turns() -> None:
     template = ChatTemplate(CHATML, eos_token="<|im_end|>")
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "whatever was generated"}]
-    text = template.continuation_text(history, [{"role": "user", "content": "more"}], None, generation_ended_with_eos=True)
+    text = template.continuation_text(history, [{"role": "user", "content": "more"}], None, generation_end="<|im_end|>")
     assert text == "\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
-    cut = template.continuation_text(history, [{"role": "user", "content": "more"}], None, generation_ended_with_eos=False)
+    cut = template.continuation_text(history, [{"role": "user", "content": "more"}], None, generation_end="")
     assert cut == "<|im_end|>" + text
+    # ended on another end-of-generation token (Qwen2.5's and SmolLM2's <|endoftext|>): the turn is still closed
+    other = template.continuation_text(history, [{"role": "user", "content": "more"}], None, generation_end="<|endoftext|>")
+    assert other == cut
 
 
 def test_tool_results_become_tool_responses_for_templates_without_tool_support() -> None:
     template = ChatTemplate(CHATML, eos_token="<|im_end|>")
     history = [{"role": "user", "content": "ls"}, {"role": "assistant", "content": "x"}]
-    text = template.continuation_text(history, [{"role": "tool", "content": "a.txt"}], None, True)
+    text = template.continuation_text(history, [{"role": "tool", "content": "a.txt"}], None, "<|im_end|>")
     assert "<|im_start|>user\n<tool_response>\na.txt\n</tool_response><|im_end|>" in text
 
 
@@ -33,7 +36,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
     rewriting = "{% for m in messages %}{{ m['role'] }}{{ messages|length }}{% endfor %}"
     with pytest.raises(TemplateNotIncrementalError):
         ChatTemplate(rewriting).continuation_text(
-            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], [{"role": "user", "content": "c"}], None, True
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], [{"role": "user", "content": "c"}], None, ""
         )
 
 
@@ -43,4 +46,4 @@ def test_continuation_of_the_real_model_template_tokenizes_to_the_full_render_su
     new = [{"role": "user", "content": "and 3+3?"}]
     full = tokenizer.encode(template.render(history + new, add_generation_prompt=True))
     before = tokenizer.encode(template.render(history))[:-1]  # generation ends at <|im_end|>; "\n" not generated
-    assert before + tokenizer.encode(template.continuation_text(history, new, None, True)) == full
+    assert before + tokenizer.encode(template.continuation_text(history, new, None, "<|im_end|>")) == full

@@ -72,12 +72,15 @@ class ChatTemplate:
         history: list[dict[str, Any]],
         new_messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
-        generation_ended_with_eos: bool,
+        generation_end: str,
     ) -> str:
         """Text that follows the generated tokens of ``history[-1]`` (an assistant turn) up to the next
         generation prompt, with ``new_messages`` (tool results, user replies) in between.
 
         The generated text is replaced by a sentinel, so how the template would re-render it never matters.
+        `generation_end` is the text of the end-of-generation token the turn's tokens end with ("" when cut): the
+        template's turn end is not repeated when it starts with that token, and is kept when the model ended on
+        another one (``<|endoftext|>`` where the template closes turns with ``<|im_end|>``).
         """
         if not history or history[-1].get("role") != "assistant":
             raise ValueError("continuation_text needs a history that ends with the assistant turn")
@@ -90,8 +93,8 @@ class ChatTemplate:
                 "token-in/token-out rollouts need an incremental template"
             )
         turn_end = before[before.rindex(_SENTINEL) + len(_SENTINEL) :]
-        if generation_ended_with_eos and self.eos_token and turn_end.startswith(self.eos_token):
-            turn_end = turn_end[len(self.eos_token) :]
+        if generation_end and turn_end.startswith(generation_end):
+            turn_end = turn_end[len(generation_end) :]
         return turn_end + after[len(before) :]
 
 

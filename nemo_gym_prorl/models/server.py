@@ -51,8 +51,8 @@ def chat_prompt_ids(tokenizer: Tokenizer, request: ChatCompletionRequest) -> lis
                 raise ValueError(f"messages[{k}] has generation_token_ids but no prompt_token_ids")
             generated = list(message["generation_token_ids"])
             prefix = list(message["prompt_token_ids"]) + generated
-            ended = bool(generated) and tokenizer.is_end_of_generation(generated[-1])
-            rest = template.continuation_text(messages[: k + 1], messages[k + 1 :], request.tools, ended)
+            end = tokenizer.generation_end(generated)
+            rest = template.continuation_text(messages[: k + 1], messages[k + 1 :], request.tools, end)
             return prefix + tokenizer.encode(rest)
     return tokenizer.encode(template.render(messages, request.tools, add_generation_prompt=True))
 

@@ -60,7 +60,7 @@ def create_standin_app(
     def continuation(key: bytes) -> tuple[int, ...]:
         """The tokens between an assistant turn (the last of `history`) and the next generation prompt."""
         history, new_messages, tools = orjson.loads(key)
-        return encode(template.continuation_text(history, new_messages, tools, True))
+        return encode(template.continuation_text(history, new_messages, tools, template.eos_token))
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     app = FastAPI(title="nemo-gym-prorl stand-in model")
     app.state.requests = 0

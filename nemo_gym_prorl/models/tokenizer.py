@@ -46,3 +46,7 @@ class Tokenizer:
 
     def is_end_of_generation(self, token_id: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token_id))
+
+    def generation_end(self, generated: list[int]) -> str:
+        """The text of the end-of-generation token `generated` ends with; "" when it ends otherwise (cut)."""
+        return self.piece(generated[-1]) if generated and self.is_end_of_generation(generated[-1]) else ""

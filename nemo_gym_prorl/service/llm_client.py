@@ -120,8 +120,8 @@ class TokenInTokenOut:
             return self.tokenizer.encode(template.render(messages, tools, add_generation_prompt=True))
         last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
         generated = previous.generation_token_ids
-        ended = bool(generated) and self.tokenizer.is_end_of_generation(generated[-1])
-        following = template.continuation_text(messages[: last + 1], messages[last + 1 :], tools, ended)
+        end = self.tokenizer.generation_end(generated)
+        following = template.continuation_text(messages[: last + 1], messages[last + 1 :], tools, end)
         return previous.prompt_token_ids + generated + self.tokenizer.encode(following)
 
     async def generate(
