@@ -23,7 +23,7 @@ from standin_helpers import running_standin
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
 from nemo_gym_prorl.service.client import RolloutClient, ServiceError
-from nemo_gym_prorl.service.orchestrator import JobRequest
+from nemo_gym_prorl.service.orchestrator import Deadlines, JobRequest
 from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
 from nemo_gym_prorl.service.serve import RunningService, run_service
 from nemo_gym_prorl.service.store import JobStore
@@ -265,6 +265,21 @@ async def test_a_stop_cuts_open_streams_and_blocking_calls_instead_of_waiting_fo
         assert store.progress("streamed").finished == 0 and store.progress("streamed").state == "running"
     finally:
         store.close()
+
+
+async def test_a_weight_sync_counts_as_queue_time_not_against_the_deadlines(instant_model: str, tmp_path: Path) -> None:
+    sync_s = 4.0
+    async with service(instant_model, tmp_path) as svc, RolloutClient(svc.url) as client:
+        await client.pause_llm()  # the trainer starts syncing weights
+        job = await client.submit(JobRequest(instance=ROW, deadlines=Deadlines(run_s=3.0, total_s=3.5)))
+        async with asyncio.timeout(60):
+            while svc.orchestrator.pool.waiting < 1:  # the rollout's first turn waits for the sync
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(sync_s)  # the sync itself, longer than both deadlines
+        await client.resume_llm()
+        [trajectory] = (await client.wait(job)).results
+    assert trajectory.critical_error is None, trajectory.error
+    assert trajectory.reward == 1.0 and trajectory.timing.queued >= sync_s
 
 
 async def test_a_model_backend_killed_mid_rollout_is_retried_on_another(tmp_path: Path) -> None:

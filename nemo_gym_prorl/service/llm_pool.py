@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_gym_prorl.service.json_http import HttpTransportError, JsonHttp
 from nemo_gym_prorl.service.llm_client import LLMRequestError, PostJSON, refusal
+from nemo_gym_prorl.service.stage_clock import stage_deadline_held
 
 log = logging.getLogger(__name__)
 _BACKEND_REFUSALS = frozenset({401, 403, 404})
@@ -228,9 +229,12 @@ class LLMPool:
                         deadline = loop.time() + self.config.wait_for_backend_s
                     self._probe_ejected_soon()
                 changed = self._changed
+                # A weight sync is queue time, not the rollout's own: its stage deadline waits too.
+                held = stage_deadline_held() if self._paused else contextlib.nullcontext()
                 try:
-                    async with asyncio.timeout_at(deadline):
-                        await changed.wait()
+                    with held:
+                        async with asyncio.timeout_at(deadline):
+                            await changed.wait()
                 except TimeoutError:
                     errors = {b.address: b.last_error for b in self._backends.values()}
                     raise LLMUnavailable(

@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field
 from nemo_gym_prorl.envs.base import Environment, Episode, Submission
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.service.agent_loop import AgentLoop, AgentOutcome
+from nemo_gym_prorl.service.stage_clock import StageClock, current_stage_clock
 from nemo_gym_prorl.service.trajectory import Trajectory
 
 _log = logging.getLogger(__name__)
@@ -206,8 +207,11 @@ class RolloutPipeline:
     async def _run_stage(self, stage: Stage, rollout: Rollout) -> None:
         budget = self._budget(stage, rollout)
         started = time.perf_counter()
+        clock: StageClock | None = None
         try:
-            async with asyncio.timeout(budget):
+            async with asyncio.timeout(budget) as timeout:
+                clock = StageClock(timeout)
+                current_stage_clock.set(clock)  # this stage's task only
                 if stage == "init":
                     rollout.episode = await rollout.env.init(rollout.instance)
                 elif stage == "run":
@@ -223,9 +227,11 @@ class RolloutPipeline:
         except TimeoutError as e:
             raise _StageTimeout(self._timeout_message(stage, rollout, budget)) from e
         finally:
-            elapsed = time.perf_counter() - started
+            waited = clock.held_s if clock is not None else 0.0  # on a weight sync: queue time
+            elapsed = time.perf_counter() - started - waited
             rollout.stage_time += elapsed
             setattr(rollout.trajectory.timing, stage, elapsed)
+            rollout.trajectory.timing.queued += waited
 
     def _budget(self, stage: Stage, rollout: Rollout) -> float | None:
         limits = [rollout.stage_deadlines_s.get(stage, getattr(self.config, stage).deadline_s)]
