@@ -47,6 +47,10 @@ class StoredJob(BaseModel):
     updated: float
 
 
+# In a query over `jobs`: how many samples of the row's job have a stored result.
+_FINISHED = "(SELECT COUNT(*) FROM results WHERE results.job_id = jobs.job_id)"
+
+
 class JobProgress(NamedTuple):
     n: int
     state: JobState
@@ -93,9 +97,7 @@ class JobStore:
 
     def progress(self, job_id: str) -> JobProgress | None:
         """How far a job is, without reading its request or any result: cheap enough for every finished sample."""
-        row = self._db.execute(
-            "SELECT n, state, (SELECT COUNT(*) FROM results WHERE job_id = ?1) FROM jobs WHERE job_id = ?1", (job_id,)
-        ).fetchone()
+        row = self._db.execute(f"SELECT n, state, {_FINISHED} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         return JobProgress(*row) if row else None
 
     def finished(self, job_id: str) -> int:
@@ -121,7 +123,7 @@ class JobStore:
     def unfinished_jobs(self) -> list[StoredJob]:
         rows = self._db.execute(
             "SELECT job_id, request, n, state, created, updated FROM jobs WHERE state IN ('queued', 'running') "
-            "OR (state = 'cancelled' AND (SELECT COUNT(*) FROM results WHERE results.job_id = jobs.job_id) < n) "
+            f"OR (state = 'cancelled' AND {_FINISHED} < n) "
             "ORDER BY created"
         ).fetchall()
         return [_job(row) for row in rows]
