@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from nemo_gym_prorl.models.launcher import LocalModelServer
@@ -69,6 +69,8 @@ class StandIn:
         self.hang = False  # completions never answer (until the server stops)
         self.fail_next = 0  # that many completions answer `fail_status`
         self.fail_status = 500
+        self.fail_body: Any = {"error": {"message": "overloaded"}}  # JSON, or text sent as Starlette's own 500
+        self.headers: list[dict[str, str]] = []  # each completion request's headers
         self.refusal: str | None = None  # completions answer 400 with this message
         self.completions = 0
         self.models_down = False  # /v1/models (the health probe) answers 503
@@ -90,13 +92,16 @@ class StandIn:
         async def complete(request: Request) -> Response:
             body = await request.json()
             self.completions += 1
+            self.headers.append(dict(request.headers))
             self.arrivals.put_nowait((self.name, body))
             if self.hang:
                 await self._stopping.wait()
                 return JSONResponse({"error": {"message": "stopping"}}, 503)
             if self.fail_next:
                 self.fail_next -= 1
-                return JSONResponse({"error": {"message": "overloaded"}}, self.fail_status)
+                if isinstance(self.fail_body, str):
+                    return PlainTextResponse(self.fail_body, self.fail_status)
+                return JSONResponse(self.fail_body, self.fail_status)
             if self.refusal is not None:
                 return JSONResponse({"error": {"message": self.refusal, "code": 400}}, 400)
             await self.gate.wait()
@@ -234,8 +239,8 @@ async def test_in_flight_counters_return_to_zero_after_success_error_and_cancel(
         assert state(pool, a).in_flight == 0
         a.refusal = None
 
-        a.fail_next = 2  # both attempts fail
-        with pytest.raises(LLMUnavailable, match="HTTP 500"):
+        a.fail_next, a.fail_status = 2, 503  # both attempts fail
+        with pytest.raises(LLMUnavailable, match="HTTP 503"):
             await pool.post("t", "/completions", {"prompt": "failing"})
         assert state(pool, a).in_flight == 0
 
@@ -274,7 +279,7 @@ async def test_transient_errors_on_the_only_backend_are_retried_until_it_answers
     stand_in: Callable[[str], Awaitable[StandIn]],
 ) -> None:
     a = await stand_in("a")
-    a.fail_next = 2
+    a.fail_next = 2  # 500s, then an answer: a server error, not the request's
     async with LLMPool(config(max_retries=3), [a.address]) as pool:
         assert (await pool.post("t", "/completions", {}))["backend"] == "a"
         assert a.completions == 3
@@ -404,7 +409,7 @@ async def test_request_failures_eject_a_backend_until_a_probe_readmits_it(
     stand_in: Callable[[str], Awaitable[StandIn]],
 ) -> None:
     a = await stand_in("a")
-    a.fail_next, a.models_down = 2, True
+    a.fail_next, a.fail_status, a.models_down = 2, 503, True
     async with LLMPool(config(failures_to_eject=2, max_retries=5), [a.address]) as pool:
         task = asyncio.create_task(pool.post("t", "/completions", {}))
         await eventually(lambda: pool.waiting == 1)  # after its second failure, with nothing healthy left
@@ -513,7 +518,7 @@ async def test_completions_through_the_pool_on_the_real_model_server(model_serve
 async def test_waiting_requests_probe_ejected_backends_even_without_health_rounds(stand_in) -> None:
     """With periodic probing off, a backend ejected by failures must come back for the requests waiting on it."""
     backend = await stand_in("a")
-    backend.fail_next = 1
+    backend.fail_next, backend.fail_status = 1, 503
     async with LLMPool(config(failures_to_eject=1, max_retries=1), [backend.address]) as pool:
         body = await asyncio.wait_for(pool.post("t1", "/completions", {"prompt": [1]}), WAIT)
         assert body["backend"] == "a" and state(pool, backend).healthy and backend.completions == 2
@@ -535,10 +540,76 @@ async def test_a_backend_that_refuses_what_another_serves_is_passed_over_and_eje
 
 async def test_waiting_requests_keep_probing_until_an_ejected_backend_is_back(stand_in) -> None:
     backend = await stand_in("a")
-    backend.fail_next, backend.models_down = 1, True  # ejected by a request, and its first probes fail too
+    backend.fail_next, backend.fail_status, backend.models_down = 1, 503, True  # ejected by a request, and its first probes fail too
     async with LLMPool(config(failures_to_eject=1, max_retries=1), [backend.address]) as pool:
         waiting = asyncio.create_task(pool.post("t1", "/completions", {"prompt": [1]}))
         await eventually(lambda: (state(pool, backend).last_error or "").startswith("health probe"))
         backend.models_down = False  # the server is back after a probe found it down
         body = await asyncio.wait_for(waiting, WAIT)
         assert body["backend"] == "a" and state(pool, backend).healthy
+
+
+async def test_a_500_every_backend_repeats_is_the_requests_and_ejects_none(
+    stand_in: Callable[[str], Awaitable[StandIn]],
+) -> None:
+    """NeMo RL's server rejects off-policy sampling parameters with an assert: a bare "Internal Server Error" from
+    every backend. The request fails with what they said; no backend is ejected or even charged a failure."""
+    backends = [await stand_in(name) for name in "abc"]
+    for backend in backends:
+        backend.fail_next, backend.fail_body = 100, "Internal Server Error"
+    async with LLMPool(config(failures_to_eject=1), [b.address for b in backends]) as pool:
+        for t in ("t1", "t2", "t3"):
+            with pytest.raises(LLMRequestError) as rejected:
+                await pool.post(t, "/chat/completions", {"top_p": 0.5})
+            assert rejected.value.status == 500 and "Internal Server Error" in rejected.value.message
+            assert "2 backends" in rejected.value.message
+        assert sum(b.completions for b in backends) == 6  # two backends each
+        assert all(s.healthy and s.failures == 0 and s.in_flight == 0 for s in pool.backends())
+        for backend in backends:
+            backend.fail_next = 0
+        assert (await pool.post("t4", "/chat/completions", {"top_p": 1.0}))["echo"] == {"top_p": 1.0}
+
+
+async def test_a_500_the_only_backend_gives_every_retry_is_the_requests(
+    stand_in: Callable[[str], Awaitable[StandIn]],
+) -> None:
+    a = await stand_in("a")
+    a.fail_next, a.fail_body = 100, "Internal Server Error"
+    async with LLMPool(config(failures_to_eject=1, max_retries=2), [a.address]) as pool:
+        with pytest.raises(LLMRequestError, match="3 times"):
+            await pool.post("t", "/chat/completions", {})
+        assert a.completions == 3 and state(pool, a).healthy and state(pool, a).failures == 0
+
+
+async def test_a_500_whose_body_names_an_assertion_or_an_overflow_is_raised_at_once(
+    stand_in: Callable[[str], Awaitable[StandIn]],
+) -> None:
+    a, b = await stand_in("a"), await stand_in("b")
+    async with LLMPool(config(failures_to_eject=1), [a.address, b.address]) as pool:
+        for backend in (a, b):
+            backend.fail_next, backend.fail_body = 1, "AssertionError('Top k sampling parameter must be unset')"
+        with pytest.raises(LLMRequestError, match="Top k"):
+            await pool.post("t", "/chat/completions", {"top_k": 5})
+        overflow = "Prompt length (2100) fills or exceeds max_model_len (2048). No room for output tokens."
+        for backend in (a, b):
+            backend.fail_next, backend.fail_body = 1, {"error": {"message": overflow}}
+        with pytest.raises(ContextLengthExceeded):
+            await pool.post("t", "/chat/completions", {})
+        assert a.completions + b.completions == 2
+        assert all(s.healthy and s.failures == 0 for s in pool.backends())
+
+
+async def test_each_backend_gets_its_own_model_name_and_key(stand_in: Callable[[str], Awaitable[StandIn]]) -> None:
+    """NeMo RL's policy servers serve the policy under its name: requests carry it whatever model the caller set."""
+    plain, policy = await stand_in("plain"), await stand_in("policy")
+    async with LLMPool(config(), [plain.address]) as pool:
+        pool.add(policy.address, model="policy-model", api_key="k3y")
+        pool.remove(plain.address)
+        assert (await pool.post("t", "/chat/completions", {"model": "service-default"}))["echo"] == {
+            "model": "policy-model"
+        }
+        assert policy.headers[-1]["authorization"] == "Bearer k3y"
+        assert state(pool, policy).model == "policy-model" and "k3y" not in str(pool.backends())
+        pool.add(policy.address, model="renamed")  # registering again updates it: no key now
+        assert (await pool.post("t", "/chat/completions", {"model": "x"}))["echo"]["model"] == "renamed"
+        assert "authorization" not in policy.headers[-1]

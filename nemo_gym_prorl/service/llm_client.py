@@ -39,11 +39,29 @@ class ContextLengthExceeded(LLMRequestError):
     """The prompt (plus the completion budget) does not fit the model's context window."""
 
 
+class NoCompletionsRoute(LLMRequestError):
+    """Token-in/token-out against a server without ``/v1/completions`` (NeMo RL's chat server)."""
+
+
+# How servers word a prompt that does not fit: vLLM ("maximum context length"), NeMo RL's server ("Prompt length (N)
+# fills or exceeds max_model_len (M)"), ours.
+_CONTEXT_OVERFLOW = ("context length", "fills or exceeds max_model_len")
+
+
 def refusal(status: int, message: str) -> LLMRequestError:
-    """The typed error for a 4xx answer; context-window refusals are told apart by their message, as vLLM words it."""
-    if status == 400 and "context length" in message:
+    """The typed error for a 4xx answer; context-window refusals are told apart by their message."""
+    if status == 400 and any(words in message for words in _CONTEXT_OVERFLOW):
         return ContextLengthExceeded(status, message)
     return LLMRequestError(status, message)
+
+
+def request_fault(status: int, message: str) -> LLMRequestError | None:
+    """A 5xx whose body says the request caused it (a context overflow, a failed assertion); None when it does not."""
+    if any(words in message for words in _CONTEXT_OVERFLOW):
+        return ContextLengthExceeded(status, message)
+    if "AssertionError" in message:
+        return LLMRequestError(status, message)
+    return None
 
 
 def http_poster(http: JsonHttp, base_url: str) -> PostJSON:
@@ -135,7 +153,17 @@ class TokenInTokenOut:
             if body["max_tokens"] < 1:
                 filled = f"the {len(prompt)}-token prompt fills the {self.context_window}-token context"
                 raise ContextLengthExceeded(400, filled)
-        choice = (await self._post("/completions", body))["choices"][0]
+        try:
+            choice = (await self._post("/completions", body))["choices"][0]
+        except LLMRequestError as e:
+            if e.status in (404, 405):
+                raise NoCompletionsRoute(
+                    e.status,
+                    f"{e.message}: the model server has no /v1/completions, which token-in/token-out generation "
+                    "needs (plain vLLM and our local server have it; NeMo RL's chat server speaks only "
+                    "/v1/chat/completions and /tokenize): use generation_mode=chat with it",
+                ) from None
+            raise
         return _checked_turn(
             Turn(
                 prompt_token_ids=prompt,
@@ -165,7 +193,20 @@ class ChatCompletions:
         }
         if tools:
             body["tools"] = tools
-        choice = (await self._post("/chat/completions", body | _sampling_body(self.sampling)))["choices"][0]
+        sampling = _sampling_body(self.sampling)
+        try:
+            answer = await self._post("/chat/completions", body | sampling)
+        except LLMRequestError as e:
+            if e.status < 500 or isinstance(e, ContextLengthExceeded):
+                raise
+            sent = ", ".join(f"{k}={sampling.get(k)}" for k in ("temperature", "top_p", "top_k"))
+            raise LLMRequestError(
+                e.status,
+                f"{e.message}. This request sent {sent}: NeMo RL's chat server answers 500 when temperature or top_p "
+                "differ from the policy's (generation.temperature/top_p, or val_temperature/val_top_p) or top_k is "
+                "set; the row's responses_create_params carry them",
+            ) from None
+        choice = answer["choices"][0]
         message = choice["message"]
         missing = [f for f in TOKEN_FIELDS if f not in message]
         if missing:

@@ -5,8 +5,19 @@ the backend's prefix cache holds the conversation so far. Transient failures (co
 are retried with backoff, away from the backend that failed; a 4xx is the request's fault and is raised at once,
 except a 401/403/404, which may be the backend's alone (another model name, base path or key): the request then
 tries the other backends, and if one of them answers it, each backend that refused it counts a failure.
+
 Backends that keep failing (requests or health probes) are ejected until a probe succeeds again. ``pause()`` lets
 the trainer sync weights: new requests wait, requests already at a server finish, and it returns when none is left.
+
+A 500 may be the request's fault or the backend's: NeMo RL's chat server checks sampling parameters with Python
+asserts, so a request it rejects gets a plain "Internal Server Error", as a crash would. A 500 whose body says the
+request caused it (an assertion, a context overflow) is raised at once; otherwise the request goes to another
+backend, and when a second backend answers 500 too (or the only one answers 500 to every retry), the request is
+judged the cause: it is raised as an ``LLMRequestError`` and no backend counts a failure. If another backend answers
+it, those that gave 500 count one each.
+
+Each backend may carry its own model name (sent as the request's ``model``) and API key (``Authorization: Bearer``):
+NeMo RL's policy servers serve the policy under its own name, whatever the service was started with.
 
 In-flight counts are kept per attempt, in ``finally``: ProRL's balancer never decremented its counters.
 """
@@ -27,7 +38,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_gym_prorl.service.json_http import HttpTransportError, JsonHttp
-from nemo_gym_prorl.service.llm_client import LLMRequestError, PostJSON, refusal
+from nemo_gym_prorl.service.llm_client import LLMRequestError, PostJSON, refusal, request_fault
 from nemo_gym_prorl.service.stage_clock import stage_deadline_held
 
 log = logging.getLogger(__name__)
@@ -59,6 +70,7 @@ class BackendState(BaseModel):
     """One backend as the pool sees it; ``backends()`` hands out copies."""
 
     address: str
+    model: str | None = Field(None, description="sent as the request's `model` here; None: the request's own")
     healthy: bool = True
     in_flight: int = 0
     trajectories: int = Field(0, description="trajectories routed here and not yet released or moved")
@@ -102,6 +114,7 @@ class LLMPool:
             keepalive_s=config.keepalive_s,
         )
         self._backends: dict[str, BackendState] = {}
+        self._auth: dict[str, dict[str, str]] = {}  # address -> its Authorization header (kept out of the states)
         self._affinity: OrderedDict[str, BackendState] = OrderedDict()
         self._round_robin = 0
         self._in_flight = 0
@@ -115,12 +128,20 @@ class LLMPool:
 
     # -- backends ---------------------------------------------------------------------------------------------------
 
-    def add(self, address: str) -> str:
-        """Add a backend (a no-op when present); returns its normalised ``/v1`` base."""
+    def add(self, address: str, model: str | None = None, api_key: str | None = None) -> str:
+        """Add a backend, or give one already present this model name and key; returns its normalised ``/v1`` base.
+        `model` replaces the request's model name on this backend; `api_key` is sent as a bearer token."""
         base = normalize_address(address)
-        if base not in self._backends:
-            self._backends[base] = BackendState(address=base)
+        backend = self._backends.get(base)
+        if backend is None:
+            self._backends[base] = BackendState(address=base, model=model)
             self._notify()
+        else:
+            backend.model = model
+        if api_key:
+            self._auth[base] = {"Authorization": f"Bearer {api_key}"}
+        else:
+            self._auth.pop(base, None)
         return base
 
     def remove(self, address: str) -> bool:
@@ -128,6 +149,7 @@ class LLMPool:
         backend = self._backends.pop(normalize_address(address), None)
         if backend is None:
             return False
+        self._auth.pop(backend.address, None)
         for trajectory_id in [t for t, b in self._affinity.items() if b is backend]:
             self.release(trajectory_id)
         return True
@@ -166,18 +188,31 @@ class LLMPool:
         return functools.partial(self.post, trajectory_id)
 
     async def post(self, trajectory_id: str, path: str, json: dict[str, Any]) -> dict[str, Any]:
-        """POST ``json`` to ``<backend>/v1<path>``; raises ``LLMRequestError`` on a 4xx, ``LLMUnavailable`` when
-        no backend answers."""
+        """POST ``json`` to ``<backend>/v1<path>``; raises ``LLMRequestError`` when the request is at fault (a 4xx, a
+        500 it caused), ``LLMUnavailable`` when no backend answers."""
         tried: set[str] = set()
         error: Exception | None = None
         refused_by: list[tuple[BackendState, LLMRequestError]] = []  # a refusal another backend may not repeat
+        failed_500: list[tuple[BackendState, str]] = []  # 500s not yet told apart: the request's or the backend's?
         for attempt in range(self.config.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self._backoff(attempt))
             backend = await self._acquire(trajectory_id, tried)
             try:
                 backend.requests += 1
-                response = await self._http.post(backend.address + path, json)
+                body = json if backend.model is None else {**json, "model": backend.model}
+                response = await self._http.post(backend.address + path, body, headers=self._auth.get(backend.address))
+                if response.status == 500:
+                    message = response.error_message()[:2000]
+                    if (fault := request_fault(response.status, message)) is not None:
+                        self._succeeded(backend)  # it said why: the request, not the server
+                        raise fault
+                    failed_500.append((backend, message))
+                    tried.add(backend.address)
+                    error = _Transient(f"HTTP 500: {message[:500]}")
+                    if len({b.address for b, _ in failed_500}) >= 2:
+                        raise LLMRequestError(500, self._same_500(failed_500)) from None
+                    continue
                 if response.status >= 500 or response.status == 429:
                     raise _Transient(f"HTTP {response.status}: {response.error_message()[:500]}")
                 if response.status >= 400:
@@ -190,13 +225,15 @@ class LLMPool:
                     self._succeeded(backend)  # the server is fine; the request is not
                     raise refused
                 try:
-                    body = response.json()
+                    answer = response.json()
                 except ValueError as e:
                     raise _Transient(f"HTTP {response.status} with a body that is not JSON") from e
+                for other, message in failed_500:  # the request was fine: those 500s were the servers'
+                    self._failed(other, f"HTTP 500: {message[:500]} (the same request was answered later)")
                 self._succeeded(backend)
                 for other, refused in refused_by:  # this backend took what they refused: the fault was theirs
                     self._failed(other, f"{refused} (another backend answered the same request)")
-                return body
+                return answer
             except (HttpTransportError, _Transient) as e:
                 error = e
                 tried.add(backend.address)
@@ -206,7 +243,22 @@ class LLMPool:
                 backend.in_flight -= 1
                 self._in_flight -= 1
                 self._notify()
+        if len(failed_500) == self.config.max_retries + 1:  # one backend, the same answer every time
+            raise LLMRequestError(500, self._same_500(failed_500)) from None
+        for other, message in failed_500:  # never told apart, and nothing answered: count them as the backends'
+            self._failed(other, f"HTTP 500: {message[:500]}")
+        if isinstance(error, LLMRequestError):  # every backend it reached refused it; none failed
+            raise error
         raise LLMUnavailable(f"{path} failed {self.config.max_retries + 1} times; last: {error}") from error
+
+    @staticmethod
+    def _same_500(failed: list[tuple[BackendState, str]]) -> str:
+        backends = sorted({b.address for b, _ in failed})
+        where = f"{len(backends)} backends" if len(backends) > 1 else f"{backends[0]}, {len(failed)} times"
+        return (
+            f"the model server answered HTTP 500 to this request ({where}): {failed[-1][1][:500]!r}; a 500 every "
+            "backend repeats is the request's (NeMo RL's server rejects sampling parameters with an assertion)"
+        )
 
     def _untried_healthy(self, tried: set[str]) -> bool:
         return any(b.healthy and b.address not in tried for b in self._backends.values())
