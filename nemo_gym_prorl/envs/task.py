@@ -28,7 +28,7 @@ class DatasetConfig(BaseModel):
 
 class TaskConfig(BaseModel):
     name: str
-    type: Literal["math", "gym"]
+    type: Literal["math", "gym", "swe"]
     dataset: DatasetConfig
     system_prompt: str = ""
     prompt_template: str = Field("", description="str.format template over the dataset row's columns")

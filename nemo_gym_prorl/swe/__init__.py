@@ -1,0 +1,1 @@
+"""The offline SWE suite: procedural bugs in pinned PyPI projects (`prorl swe generate`)."""
