@@ -28,7 +28,7 @@ class DatasetConfig(BaseModel):
 
 class TaskConfig(BaseModel):
     name: str
-    type: Literal["math", "gym", "swe"]
+    type: Literal["math", "gym", "code", "stem", "swe"]
     dataset: DatasetConfig
     system_prompt: str = ""
     prompt_template: str = Field("", description="str.format template over the dataset row's columns")

@@ -1,0 +1,275 @@
+"""Runs untrusted programs against test inputs. This file is copied into a grading sandbox and runs there only.
+
+    PRORL_GRADING_SANDBOX=1 python3 -I sandbox_test_runner.py JOB.json RESULTS.jsonl
+
+It is standard library only (it runs on the sandbox image's Python, not ours) and never runs model code in its
+own process: each test is a child forked off this runner (a warm interpreter: ~2 ms a test instead of ~20 ms for a
+new one) that first puts itself in a session of its own (no controlling terminal, its own process group), bounds
+its output file (RLIMIT_FSIZE: past the cap the kernel stops it with SIGXFSZ) and CPU time, connects real files
+to fds 0/1/2, and only then compiles and runs the program. The runner waits for it with a per-test wall-clock
+limit, kills its process group, and after each problem kills every other process it may signal (``kill(-1)``:
+all but itself and the sandbox's init), so a daemon left by one problem never sees the next. Results are written
+only then, one JSON line per problem, so no test process is alive to tamper with them; a problem that kills
+the runner leaves the lines of the problems before it (see `code_grading` for what the grader then trusts).
+
+Expected outputs never enter the sandbox: a stdin/stdout test's output and a call-based test's return value
+(as JSON) come back raw, and the grader compares them outside. HumanEval-style tests are assertions, so they
+run here with the candidate; a test passes only when ``check`` returned and the child then wrote a per-test
+token to a pipe, so an early ``sys.exit(0)`` or ``os._exit(0)`` in the candidate is a failure, not a pass.
+
+Job: {"problems": [{"id", "kind": "stdin" | "call" | "humaneval", "program", "inputs": [...], "fn_name",
+"test", "entry_point"}], "timeout_s", "output_cap_bytes", "prelude", "stop_on_failure"}.
+Result per test: {"status": "ok" | "timeout" | "runtime_error" | "output_limit" | "killed", "output",
+"return_json", "stderr", "exit_code", "signal", "time_s"}.
+"""
+
+import json
+import os
+import resource
+import secrets
+import select
+import shutil
+import signal
+import sys
+import time
+import traceback
+
+_STDERR_TAIL = 2000
+SANDBOX_MARKER = "PRORL_GRADING_SANDBOX"
+
+
+def _limit_self(output_cap: int, cpu_s: int) -> None:
+    os.setsid()
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; past the output cap the kernel stops us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (output_cap, output_cap))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _redirect(stdin_path: str, stdout_path: str, stderr_path: str) -> None:
+    for fd, path, flags in (
+        (0, stdin_path, os.O_RDONLY),
+        (1, stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+        (2, stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+    ):
+        opened = os.open(path, flags, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.stdin = open(0, "r", closefd=False)
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", closefd=False)
+
+
+def _run_child(problem: dict, test_input: str, workdir: str, job: dict, token_fd: int, token: str) -> None:
+    """In the forked child: limits, real stdio, then the program. Never returns."""
+    code = 1
+    try:
+        _limit_self(job["output_cap_bytes"], int(job["timeout_s"]) + 1)
+        os.chdir(workdir)
+        _redirect(os.path.join(workdir, "stdin.txt"), os.path.join(workdir, "stdout.txt"),
+                  os.path.join(workdir, "stderr.txt"))
+        kind = problem["kind"]
+        namespace = {"__name__": "__main__" if kind == "stdin" else "solution", "__builtins__": __builtins__}
+        if kind != "humaneval" and job.get("prelude"):
+            exec(compile(job["prelude"], "prelude.py", "exec"), namespace)
+        compiled = compile(problem["program"], "solution.py", "exec")
+        if kind == "stdin":
+            sys.argv = ["solution.py"]
+            exec(compiled, namespace)
+        elif kind == "call":
+            exec(compiled, namespace)
+            fn_name = problem["fn_name"]
+            if "class Solution" in problem["program"] and "Solution" in namespace:  # LeetCode style
+                fn = getattr(namespace["Solution"](), fn_name, None)
+            else:
+                fn = namespace.get(fn_name)
+            if fn is None:
+                raise NameError(f"the program defines no {fn_name!r}")
+            args = [json.loads(line) for line in test_input.split("\n") if line.strip()]
+            value = fn(*args)
+            with open(os.path.join(workdir, "return.json"), "w") as out:
+                json.dump(value, out, default=repr)
+        else:  # humaneval
+            exec(compiled, namespace)
+            exec(compile(problem["test"], "test.py", "exec"), namespace)
+            namespace["check"](namespace[problem["entry_point"]])
+            os.write(token_fd, token.encode())
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException as e:
+        try:  # the program's own frames, not this runner's
+            frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
+            sys.stderr.write("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+                             + "".join(traceback.format_exception_only(type(e), e)))
+        except BaseException:
+            pass
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:
+            pass
+        os._exit(code if 0 <= code < 256 else 1)
+
+
+def _wait(pid: int, timeout_s: float) -> "tuple[int | None, bool, float]":
+    """(wait status, timed out, seconds) of child `pid`; a child past `timeout_s` is killed with its group."""
+    start = time.monotonic()
+    pidfd = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout_s)
+    finally:
+        os.close(pidfd)
+    timed_out = not ready
+    if timed_out:
+        _kill_group(pid)
+    _, status = os.waitpid(pid, 0)
+    elapsed = time.monotonic() - start
+    _kill_group(pid)  # whatever the test left running in its group
+    return status, timed_out, elapsed
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _only_our_processes_visible() -> bool:
+    """Whether every process this one can see runs as its own unprivileged user: true in a sandbox with a pid
+    namespace of its own, false on a host (root's and other users' processes are visible there)."""
+    if os.geteuid() == 0:
+        return False
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat("/proc/" + entry).st_uid != os.geteuid():
+                    return False
+            except FileNotFoundError:
+                pass
+    return True
+
+
+def _kill_everything_else() -> None:
+    """Every process this one may signal but itself and the sandbox's init: what a problem left behind.
+    Only where `_only_our_processes_visible` (outside a sandbox this would kill the user's whole session)."""
+    if not _only_our_processes_visible():
+        return
+    for _ in range(3):
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+
+
+def _read(path: str, limit: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - _STDERR_TAIL))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _run_test(problem: dict, test_input: str, workdir: str, job: dict) -> dict:
+    for name in ("stdout.txt", "stderr.txt", "return.json"):
+        try:
+            os.unlink(os.path.join(workdir, name))
+        except FileNotFoundError:
+            pass
+    with open(os.path.join(workdir, "stdin.txt"), "w") as f:
+        f.write(test_input)
+    token = secrets.token_hex(16)
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        _run_child(problem, test_input, workdir, job, write_end, token)
+    os.close(write_end)
+    status, timed_out, elapsed = _wait(pid, job["timeout_s"])
+    os.set_blocking(read_end, False)  # a process the test left alive may hold the write end open
+    try:
+        reported = os.read(read_end, 64).decode(errors="replace")
+    except BlockingIOError:
+        reported = ""
+    os.close(read_end)
+    result = {
+        "output": _read(os.path.join(workdir, "stdout.txt"), job["output_cap_bytes"]),
+        "stderr": _tail(os.path.join(workdir, "stderr.txt")),
+        "time_s": round(elapsed, 4),
+        "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+        "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+    }
+    if problem["kind"] == "call":
+        result["return_json"] = _read(os.path.join(workdir, "return.json"), job["output_cap_bytes"]) or None
+    if timed_out:
+        result["status"] = "timeout"
+    elif result["signal"] == signal.SIGXFSZ:
+        result["status"] = "output_limit"
+    elif result["signal"] == signal.SIGXCPU:
+        result["status"] = "timeout"
+    elif result["signal"] is not None:
+        result["status"] = "killed"
+    elif result["exit_code"] != 0:
+        result["status"] = "runtime_error"
+    elif problem["kind"] == "humaneval" and reported != token:
+        result["status"] = "runtime_error"
+        result["stderr"] += "\n[the program exited before its tests finished]"
+    else:
+        result["status"] = "ok"
+    return result
+
+
+def _run_problem(problem: dict, job: dict, root: str) -> list:
+    workdir = os.path.join(root, "p-" + secrets.token_hex(6))
+    os.mkdir(workdir, 0o700)
+    results = []
+    try:
+        for test_input in problem.get("inputs") or [""]:
+            result = _run_test(problem, test_input, workdir, job)
+            results.append(result)
+            if result["status"] != "ok" and job.get("stop_on_failure", True):
+                break
+    finally:
+        _kill_everything_else()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return results
+
+
+def main() -> None:
+    if os.environ.get(SANDBOX_MARKER) != "1" or not _only_our_processes_visible():
+        sys.exit(f"sandbox_test_runner runs model code: only inside a grading sandbox ({SANDBOX_MARKER}=1, "
+                 "not root, a pid namespace of its own)")
+    job_path, results_path = sys.argv[1], sys.argv[2]
+    with open(job_path) as f:
+        job = json.load(f)
+    root = os.path.dirname(os.path.abspath(results_path))
+    if job.get("prelude"):  # trusted; imported here once, so each test's child finds its modules loaded
+        exec(compile(job["prelude"], "prelude.py", "exec"), {})
+    for problem in job["problems"]:
+        line = json.dumps({"id": problem["id"], "results": _run_problem(problem, job, root)}) + "\n"
+        with open(results_path, "a") as f:  # after the problem's sweep: nothing of it is alive to interfere
+            f.write(line)
+
+
+if __name__ == "__main__":
+    main()
