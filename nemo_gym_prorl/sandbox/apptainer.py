@@ -55,14 +55,16 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_prorl.sandbox import images, seccomp
+from nemo_gym_prorl.sandbox import disk, images, seccomp
 from nemo_gym_prorl.sandbox.base import WORKSPACE, ExecResult, SandboxError, SandboxSpec, with_note
-from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle
+from nemo_gym_prorl.sandbox.disk import SandboxDisk
+from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle, to_thread_to_the_end
 from nemo_gym_prorl.sandbox.limits import OutputCap, rlimits
 from nemo_gym_prorl.sandbox.pty_shell import PtyShell, ShellLauncher
 from nemo_gym_prorl.sandbox.workspace import HostWorkspace, remove_tree
@@ -143,6 +145,8 @@ def reap_orphan_instances(apptainer: str | None = None) -> list[str]:
         name = leftover.name.rsplit("-", 1)[0]  # <name>-<mkdtemp suffix>
         ours = leftover.is_dir() and not leftover.is_symlink() and leftover.stat().st_uid == os.geteuid()
         if ours and _is_orphan(name):
+            if disk.available():
+                disk.unmount_under(leftover)
             remove_tree(leftover)
             reaped.add(name)
     for log in _instance_logs(f"{INSTANCE_PREFIX}*"):
@@ -180,6 +184,8 @@ class ApptainerSandbox(SandboxLifecycle):
         self._monitor_pid: int | None = None
         self._instance_requested = False
         self._started = False
+        self._disk: SandboxDisk | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
 
     @property
     def workspace(self) -> Path | None:
@@ -208,16 +214,21 @@ class ApptainerSandbox(SandboxLifecycle):
         try:
             self._apptainer = self._apptainer or find_apptainer()
             image = await asyncio.to_thread(self._resolve_image)
-            control = self._make_dirs()
-            await self._start_instance(image)
+            self._make_dirs()
             limits = self.spec.limits
+            if limits.disk_mb is not None and disk.available():
+                await to_thread_to_the_end(self._make_disk, limits.disk_mb)
+            else:
+                self._make_writable_dirs()
+            await self._start_instance(image)
+            assert self._control is not None
             self._shell = PtyShell(
                 _InstanceShellLauncher(
                     self._enter_argv(["/bin/bash", "--norc", "--noprofile", "--noediting", "-i"]),
                     _host_env(),
                     self._lost,
                 ),
-                control,
+                self._control,
                 CONTROL_DIR,
                 max_output_bytes=limits.max_output_bytes,
             )
@@ -328,18 +339,34 @@ class ApptainerSandbox(SandboxLifecycle):
             return str(image)
         raise SandboxError(f"image {image} does not exist")
 
-    def _make_dirs(self) -> Path:
-        """The sandbox's host dir `<tmp>/<name>-XXXX/` with `workspace/` and `control/`; returns the latter."""
+    def _make_dirs(self) -> None:
+        """The sandbox's host dir `<tmp>/<name>-XXXX/` with `disk/` (the disk's mount point) and `control/`."""
         self._dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
-        self._workspace = self._dir / "workspace"
+        self._workspace = self._dir / "disk/workspace"
         self._control = self._dir / "control"
-        self._workspace.mkdir()
+        (self._dir / "disk").mkdir()
         self._control.mkdir(mode=0o755)
         self._control.chmod(0o755)
         if self._as_root:
-            os.chown(self._workspace, SANDBOX_UID, SANDBOX_UID)
             (self._dir / _SECCOMP_FILE).write_text(json.dumps(_seccomp_profile()))
-        return self._control
+
+    def _make_writable_dirs(self) -> None:
+        """The workspace, and with a disk of its own a work dir for Apptainer's /tmp and /var/tmp (`--workdir`) and
+        /dev/shm."""
+        assert self._dir is not None
+        for name in ("workspace", "scratch", "shm") if self._disk is not None else ("workspace",):
+            (self._dir / "disk" / name).mkdir()
+            if self._as_root:
+                os.chown(self._dir / "disk" / name, SANDBOX_UID, SANDBOX_UID)
+        if self._disk is not None:
+            (self._dir / "disk/shm").chmod(0o1777)
+
+    def _make_disk(self, size_mb: int) -> None:
+        """The sandbox's writable space as a filesystem of its own, its size the sandbox's total (`disk.py`)."""
+        assert self._dir is not None
+        owner = SANDBOX_UID if self._as_root else None
+        self._disk = SandboxDisk.create(self._dir, self._dir / "disk", size_mb, owner)
+        self._make_writable_dirs()
 
     async def _start_instance(self, image: str) -> None:
         assert self._dir is not None and self._control is not None and self._apptainer is not None
@@ -352,6 +379,9 @@ class ApptainerSandbox(SandboxLifecycle):
             argv += ["--no-privs", "--memory", f"{limits.memory_mb}M", "--memory-swap", f"{limits.memory_mb}M"]
             if limits.max_processes is not None:
                 argv += ["--pids-limit", str(limits.max_processes + _STARTUP_PIDS)]
+        if self._disk is not None:  # /tmp, /var/tmp and /dev/shm on the sandbox's disk: filling them is "disk full"
+            argv += ["--workdir", _bind_path(self._dir / "disk/scratch")]
+            argv += ["--bind", f"{_bind_path(self._dir / 'disk/shm')}:/dev/shm:rw"]
         argv += ["--bind", f"{_bind_path(self._workspace)}:{WORKSPACE}:rw"]
         argv += ["--bind", f"{_bind_path(self._control)}:{CONTROL_DIR}:ro"]
         for bind in self.spec.binds:
@@ -378,6 +408,19 @@ class ApptainerSandbox(SandboxLifecycle):
         if entry is None:
             raise SandboxError(f"apptainer started instance {self.name} but does not list it")
         self._open_instance_pidfds(int(entry["pid"]))
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        """The process that kills the instance if we die without closing it (`watchdog.py`)."""
+        assert self._init_fd is not None
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(Path(__file__).with_name("watchdog.py")), str(self._init_fd)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(self._init_fd,),
+            env=_host_env(),
+        )
 
     def _open_instance_pidfds(self, init_pid: int) -> None:
         """pidfds of the container's init and of Apptainer's monitor (its parent): signalled and watched without
@@ -448,11 +491,17 @@ class ApptainerSandbox(SandboxLifecycle):
                     await asyncio.to_thread(starting.wait)
             await self._stop_instance()
         finally:
+            if self._watchdog is not None:  # its stdin closed, it kills the init (gone already) and exits
+                assert self._watchdog.stdin is not None
+                self._watchdog.stdin.close()
+                await asyncio.to_thread(self._watchdog.wait)
             for fd in (self._init_fd, self._monitor_fd):
                 if fd is not None:
                     os.close(fd)
             self._init_fd = self._monitor_fd = None
             remove_instance_logs(self.name)
+            if self._disk is not None:
+                await asyncio.to_thread(self._disk.unmount)
             if self._dir is not None and self._dir.exists():
                 remove_tree(self._dir)
 
@@ -481,15 +530,17 @@ class ApptainerSandbox(SandboxLifecycle):
     def _host_workspace(self) -> HostWorkspace:
         if self._workspace is None or self._close_task is not None:
             raise SandboxError("sandbox is not running")
-        return HostWorkspace(self._workspace, SANDBOX_UID if self._as_root else None)
+        max_read = self.spec.limits.max_read_mb * 2**20
+        return HostWorkspace(self._workspace, SANDBOX_UID if self._as_root else None, max_read)
 
 
 def _seccomp_profile() -> dict[str, Any]:
     """The filter of `seccomp.py` as an OCI seccomp profile, which Apptainer loads into each process it starts.
 
-    Apptainer ignores a rule's `errnoRet` (every denial answers EPERM), so `clone3` cannot be made to answer
-    ENOSYS as bwrap's filter does: an EPERM would stop libc from falling back to `clone`, and threads with it.
-    `clone3` stays allowed; `clone` with a CLONE_NEW* flag, `unshare` and `setns` are denied."""
+    Apptainer ignores a rule's `errnoRet` (every denial answers EPERM), and an EPERM from `clone3` would stop libc
+    from falling back to `clone` (threads with it). So `clone3`, whose flags a filter cannot read, gets
+    SCMP_ACT_TRACE: with no tracer attached (and none can be: ptrace is denied) the kernel answers ENOSYS, as bwrap's
+    filter does, libc falls back to `clone`, and `clone` with a CLONE_NEW* flag, `unshare` and `setns` are denied."""
     deny: dict[str, Any] = {"action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM}
     arches = {
         "x86_64": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
@@ -508,6 +559,7 @@ def _seccomp_profile() -> dict[str, Any]:
         {"names": ["ioctl"], **deny, "args": [{"index": 1, "value": request, "op": "SCMP_CMP_EQ"}]}
         for request in seccomp.TERMINAL_IOCTLS
     ]
+    rules += [{"names": ["clone3"], "action": "SCMP_ACT_TRACE"}]  # no tracer can attach (ptrace is denied): ENOSYS
     return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": arches, "syscalls": rules}
 
 

@@ -22,6 +22,11 @@ class SandboxLimits(BaseModel):
     cpu_time_s: int | None = Field(None, gt=0, description="CPU seconds per process (RLIMIT_CPU)")
     max_processes: int | None = Field(256, gt=0, description="processes alive in the sandbox at once")
     file_size_mb: int | None = Field(1024, gt=0, description="largest file a process may write (RLIMIT_FSIZE)")
+    disk_mb: int | None = Field(
+        4096, gt=0, description="total size of the sandbox's writable workspace, enforced by the kernel (root only)"
+    )
+    max_open_files: int | None = Field(1024, gt=0, description="open files per process (RLIMIT_NOFILE)")
+    max_read_mb: int = Field(64, gt=0, description="largest file read_file brings to the host")
     max_output_bytes: int = Field(64_000, gt=0, description="bytes of one command's output kept (head and tail)")
 
 
@@ -66,6 +71,16 @@ class PathOutsideWorkspaceError(ValueError):
     """A file path given to write_file/read_file leads outside the sandbox's workspace."""
 
 
+class NotARegularFileError(OSError):
+    """write_file/read_file found something other than a regular file or directory at the path (a FIFO, a socket,
+    a device): refused without opening it for I/O, which could block the host."""
+
+
+class FileTooLargeError(OSError):
+    """read_file found a file larger than `limits.max_read_mb` (sparse files cost no disk but would cost the host
+    their whole size in memory)."""
+
+
 class Sandbox(Protocol):
     """An isolated workspace with a persistent shell. Use as `async with`."""
 
@@ -84,7 +99,10 @@ class Sandbox(Protocol):
         it leads outside)."""
         ...
 
-    async def read_file(self, path: str) -> bytes: ...
+    async def read_file(self, path: str) -> bytes:
+        """The content of the regular file at `path` (same paths as `write_file`). Never blocks on what the sandbox
+        put there: NotARegularFileError for a FIFO, socket or device, FileTooLargeError past `limits.max_read_mb`."""
+        ...
 
     async def close(self) -> None: ...
 

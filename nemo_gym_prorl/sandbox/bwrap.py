@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import os
 import shutil
@@ -56,18 +57,23 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from nemo_gym_prorl.sandbox import disk
 from nemo_gym_prorl.sandbox.base import (
     WORKSPACE,
     ExecResult,
+    FileTooLargeError,
+    NotARegularFileError,
     PathOutsideWorkspaceError,
     SandboxError,
     SandboxSpec,
     with_note,
 )
-from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle
+from nemo_gym_prorl.sandbox.disk import SandboxDisk
+from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle, to_thread_to_the_end
 from nemo_gym_prorl.sandbox.limits import (
     CGROUP_PREFIX,
     OutputCap,
@@ -78,7 +84,7 @@ from nemo_gym_prorl.sandbox.limits import (
 )
 from nemo_gym_prorl.sandbox.pty_shell import DEFAULT_MAX_DRAINED_BYTES, PtyShell, ShellLauncher, _poll_until
 from nemo_gym_prorl.sandbox.seccomp import bpf_program
-from nemo_gym_prorl.sandbox.workspace import HostWorkspace, lexical_relative, remove_tree
+from nemo_gym_prorl.sandbox.workspace import HostWorkspace, lexical_relative, remove_tree, too_large_message
 
 CONTROL_DIR = "/.prorl"
 TEMP_PREFIX = CGROUP_PREFIX  # host temp dirs and cgroups share the name "prorl-sbx-*"
@@ -125,7 +131,9 @@ class BwrapSandbox(SandboxLifecycle):
         self._shell: PtyShell | None = None
         self._started = False
         self._hand_over_to: Path | None = None
+        self._hand_over_snapshot: _Snapshot | None = None
         self._handed_over = False
+        self._disk: SandboxDisk | None = None
 
     @property
     def temp_dir(self) -> Path | None:
@@ -136,7 +144,7 @@ class BwrapSandbox(SandboxLifecycle):
     def workspace(self) -> Path | None:
         """Host directory mounted at /workspace. None before start, and for a fork, whose workspace is an overlay
         that only its own mount namespace sees."""
-        return self._root / "workspace" if self._root is not None and self._snapshot is None else None
+        return self._root / "disk/workspace" if self._root is not None and self._snapshot is None else None
 
     @property
     def pid(self) -> int | None:
@@ -160,6 +168,10 @@ class BwrapSandbox(SandboxLifecycle):
             self._root = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
             _write_owner(self._root, [])
             self._prepare_host_dirs()
+            if limits.disk_mb is not None and disk.available():
+                await to_thread_to_the_end(self._make_disk, limits.disk_mb)
+            else:
+                self._make_writable_dirs()
             self._cgroup = SandboxCgroup.create(self._root.name, limits)
             if self._cgroup is not None:
                 _write_owner(self._root, list(self._cgroup.dirs.values()))
@@ -221,7 +233,7 @@ class BwrapSandbox(SandboxLifecycle):
         snapshot.acquire()  # held by this call until the forks hold it
         try:
             if close and self._snapshot is None:
-                self._hand_over_to = snapshot.path
+                self._hand_over_to, self._hand_over_snapshot = snapshot.path, snapshot
             else:
                 await self._copy_workspace_to(snapshot.path)
             if close:
@@ -249,7 +261,7 @@ class BwrapSandbox(SandboxLifecycle):
         assert self._root is not None
         root = self._root
         root.chmod(0o711)  # bwrap runs as uid 65534 and must reach what it binds
-        for name in ("upper", "work", "merged") if self._snapshot is not None else ("workspace",):
+        for name in ("disk", "merged") if self._snapshot is not None else ("disk",):
             (root / name).mkdir(mode=0o755)
             if self._as_root:
                 os.chown(root / name, _NOBODY, _NOBODY)
@@ -263,6 +275,25 @@ class BwrapSandbox(SandboxLifecycle):
                 (root / f"etc-{name}").write_text(text)
                 (root / f"etc-{name}").chmod(0o444)
 
+    def _make_writable_dirs(self) -> None:
+        """What the sandbox writes to, in `disk`: the workspace or a fork's overlay layers, and with a disk of its
+        own also /tmp (on that disk: filling it is "disk full", not memory)."""
+        assert self._root is not None
+        names = ["workspace"] if self._snapshot is None else ["upper", "work"]
+        for name in names + (["tmp"] if self._disk is not None else []):
+            (self._root / "disk" / name).mkdir(mode=0o1777 if name == "tmp" else 0o755)
+            if self._as_root:
+                os.chown(self._root / "disk" / name, _NOBODY, _NOBODY)
+        if self._disk is not None:
+            (self._root / "disk/tmp").chmod(0o1777)
+
+    def _make_disk(self, size_mb: int) -> None:
+        """Give the sandbox's writable space a filesystem of its own (`disk.py`), mounted at `disk`."""
+        assert self._root is not None
+        owner = _NOBODY if self._as_root else None
+        self._disk = SandboxDisk.create(self._root, self._root / "disk", size_mb, owner)
+        self._make_writable_dirs()
+
     def _argv(self) -> list[str]:
         assert self._root is not None
         root, limits = self._root, self.spec.limits
@@ -271,7 +302,7 @@ class BwrapSandbox(SandboxLifecycle):
         argv += ["setpriv", f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups", "--"] if self._as_root else []
         argv += ["unshare", "--user", "--map-root-user", *(["--mount"] if self._snapshot is not None else []), "--"]
         if self._snapshot is not None:
-            layers = {"lowerdir": self._snapshot.path, "upperdir": root / "upper", "workdir": root / "work"}
+            layers = {"lowerdir": self._snapshot.path, "upperdir": root / "disk/upper", "workdir": root / "disk/work"}
             for path in layers.values():
                 if any(c in str(path) for c in ",:\\"):
                     raise SandboxError(f"cannot use {path} as an overlay layer (',', ':' or '\\' in the path)")
@@ -285,10 +316,15 @@ class BwrapSandbox(SandboxLifecycle):
         argv += ["--die-with-parent", "--as-pid-1", "--seccomp", "3"]
         image_is_root = self._image_is_root()
         argv += self._root_fs_args(image_is_root)
-        size = str(limits.memory_mb * 2**20)
-        argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp"]
-        argv += ["--size", size, "--tmpfs", "/dev/shm"]
-        workspace = root / ("merged" if self._snapshot is not None else "workspace")
+        # tmpfs counts against the memory limit: each at most a quarter of it, so filling them is "disk full",
+        # not the OOM killer. With a disk of its own, /tmp is on it.
+        size = str(limits.memory_mb * 2**20 // 4)
+        argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
+        if self._disk is not None:
+            argv += ["--bind", str(root / "disk/tmp"), "/tmp"]
+        else:
+            argv += ["--size", size, "--tmpfs", "/tmp"]
+        workspace = root / ("merged" if self._snapshot is not None else "disk/workspace")
         argv += ["--bind", str(workspace), WORKSPACE, "--ro-bind", str(root / "control"), CONTROL_DIR]
         for bind in self.spec.binds:
             if not os.path.exists(bind.source):
@@ -390,20 +426,29 @@ class BwrapSandbox(SandboxLifecycle):
         return await _run_helper(join_argv(sys.executable, request), data, timeout, limit)
 
     async def _join_file_io(self, op: str, rel: PurePosixPath, data: bytes) -> bytes:
-        result, raw = await self._join(op, {"path": f"{WORKSPACE}/{rel}"}, timeout=_FILE_IO_TIMEOUT_S, data=data)
+        path = f"{WORKSPACE}/{rel}"
+        max_read = self.spec.limits.max_read_mb * 2**20
+        result, raw = await self._join(op, {"path": path, "max_read": max_read}, timeout=_FILE_IO_TIMEOUT_S, data=data)
         if result.exit_code == 0:
             return raw
         code, _, message = raw.decode(errors="replace").partition(":")
         if code == "outside":
             raise PathOutsideWorkspaceError(f"path {str(rel)!r} resolves outside {WORKSPACE} (via a symlink)")
+        if code == "special":
+            raise NotARegularFileError(errno.EINVAL, f"a {message}, not a regular file; refused", path)
+        if code == "large":
+            raise FileTooLargeError(errno.EFBIG, too_large_message(int(message), max_read), path)
         if code.isdigit():
-            raise OSError(int(code), message.strip(), f"{WORKSPACE}/{rel}")
-        raise SandboxError(f"{op} of {WORKSPACE}/{rel} failed: {result.output.strip()} (exit {result.exit_code})")
+            raise OSError(int(code), message.strip(), path)
+        raise SandboxError(f"{op} of {path} failed: {result.output.strip()} (exit {result.exit_code})")
 
     # -- fork --------------------------------------------------------------------------------------------------
 
     async def _copy_workspace_to(self, target: Path) -> None:
-        """Copy this sandbox's workspace as its processes see it (a fork's is its overlay) into `target`."""
+        """Copy this sandbox's workspace as its processes see it (a fork's is its overlay) into `target`, with every
+        process of the sandbox frozen meanwhile: `cp` follows no symlink, but a directory the sandbox swapped for a
+        symlink between `cp`'s look and its open (`renameat2(RENAME_EXCHANGE)` in a loop) would have it copy
+        whatever the link points at on the host."""
         if self._snapshot is None:
             source = str(self.workspace)
         else:
@@ -412,12 +457,46 @@ class BwrapSandbox(SandboxLifecycle):
                 await shell.start()
             source = f"/proc/{_init_pid(shell.pid)}/root{WORKSPACE}"
         argv = ["cp", "-a", "--reflink=auto", f"{source}/.", f"{target}/"]
-        returncode, stderr = await _run_to_completion(argv)
+        async with self._frozen():
+            returncode, stderr = await _run_to_completion(argv)
         if returncode != 0:
             raise SandboxError(f"could not snapshot the workspace: {stderr.strip()}")
         if self._as_root:
             os.chown(target, _NOBODY, _NOBODY)
         target.chmod(0o755)
+
+    @contextlib.asynccontextmanager
+    async def _frozen(self) -> AsyncIterator[None]:
+        """Every process of the sandbox stopped for the duration: by the cgroup freezer, else (no cgroups: rootless)
+        by SIGSTOP to each process of its pid namespace until none is left running."""
+        cgroup = self._cgroup
+        if cgroup is not None and cgroup.can_freeze:
+            try:
+                if not await _poll_until(cgroup.freeze, _KILL_WAIT_S):
+                    raise SandboxError(f"could not freeze the sandbox's processes (cgroup {cgroup.dirs['freezer']})")
+                yield
+            finally:
+                cgroup.thaw()
+            return
+        namespace = _pid_namespace(_init_pid(self._running_shell().pid))
+        stopped: set[int] = set()
+
+        def all_stopped() -> bool:  # a stopped process starts no other: done once a look finds no other
+            members = _namespace_members(namespace)
+            for pid in members - stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            stopped.update(members)
+            return all(_state(pid) in (b"T", b"Z", b"X", None) for pid in members)
+
+        try:
+            if not await _poll_until(all_stopped, _KILL_WAIT_S):
+                raise SandboxError("could not stop the sandbox's processes")
+            yield
+        finally:
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
 
     # -- close -------------------------------------------------------------------------------------------------
 
@@ -438,13 +517,25 @@ class BwrapSandbox(SandboxLifecycle):
                 if self._cgroup is not None:
                     await self._remove_cgroup(self._cgroup)
                 if killed and self._hand_over_to is not None and self._root is not None:  # nothing inside runs now
-                    await asyncio.to_thread(os.rename, self._root / "workspace", self._hand_over_to)
-                    self._handed_over = True
+                    await asyncio.to_thread(self._hand_over, self._hand_over_to)
             finally:
+                if self._disk is not None:
+                    await asyncio.to_thread(self._disk.unmount)
                 if self._root is not None and self._root.exists():
                     await asyncio.to_thread(remove_tree, self._root)
                 if self._snapshot is not None and self._started and self._snapshot.release():
                     await asyncio.to_thread(self._snapshot.remove)
+
+    def _hand_over(self, target: Path) -> None:
+        """Give the workspace to a snapshot: its directory moved there, or its disk mounted there as well."""
+        assert self._root is not None
+        if self._disk is None:
+            os.rename(self._root / "disk/workspace", target)
+        else:
+            disk.bind(self._root / "disk/workspace", target)
+            assert self._hand_over_snapshot is not None
+            self._hand_over_snapshot.holds_mount = True
+        self._handed_over = True
 
     @staticmethod
     async def _remove_cgroup(cgroup: SandboxCgroup) -> None:
@@ -466,7 +557,8 @@ class BwrapSandbox(SandboxLifecycle):
             raise SandboxError("sandbox is not running")
         if self._snapshot is not None:
             return None
-        return HostWorkspace(self._root / "workspace", _NOBODY if self._as_root else None)
+        max_read = self.spec.limits.max_read_mb * 2**20
+        return HostWorkspace(self._root / "disk/workspace", _NOBODY if self._as_root else None, max_read)
 
 
 class _BwrapLauncher(ShellLauncher):
@@ -512,6 +604,8 @@ class _Snapshot:
         self.path = root / "tree"
         self.path.mkdir()
         self._users = 0
+        self.holds_mount = False
+        """Whether `tree` is a disk handed over by a closed sandbox (`disk.py`), to unmount before removal."""
 
     def acquire(self) -> None:
         self._users += 1
@@ -522,6 +616,9 @@ class _Snapshot:
         return self._users == 0
 
     def remove(self) -> None:
+        if self.holds_mount:
+            disk.unmount_under(self.path)
+            self.holds_mount = False
         if self.root.exists():
             remove_tree(self.root)
 
@@ -563,6 +660,8 @@ def sweep_orphans(temp_root: str | None = None) -> list[str]:
         cgroup = SandboxCgroup({path: path for path in cgroup_dirs if os.path.isdir(path)})
         cgroup.kill()
         cgroup.remove_now()
+        if disk.available():
+            disk.unmount_under(entry.path)
         with contextlib.suppress(FileNotFoundError):  # another process may be sweeping it too
             remove_tree(entry.path)
         removed.append(entry.path)
@@ -574,6 +673,30 @@ def _sweep_once() -> None:
     """The first sandbox a process starts sweeps what dead processes left behind."""
     with contextlib.suppress(OSError):
         sweep_orphans()
+
+
+def _pid_namespace(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/pid")
+
+
+def _namespace_members(namespace: str) -> set[int]:
+    """Host pids of the processes in the pid namespace `namespace` (as `_pid_namespace` names it)."""
+    found = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry.name}/ns/pid") == namespace:
+                    found.add(int(entry.name))
+    return found
+
+
+def _state(pid: int) -> bytes | None:
+    """A process's state letter (/proc/PID/stat), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 def _init_pid(bwrap_pid: int | None) -> int:

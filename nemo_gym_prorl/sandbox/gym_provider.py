@@ -43,6 +43,7 @@ import os
 import posixpath
 import secrets
 import shlex
+import shutil
 import tempfile
 import uuid
 from collections.abc import Mapping
@@ -68,13 +69,14 @@ from nemo_gym_prorl.sandbox.base import (
     WORKSPACE,
     BindMount,
     ExecResult,
+    NotARegularFileError,
     Sandbox,
     SandboxError,
     SandboxLimits,
     SandboxSpec,
 )
 from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle
-from nemo_gym_prorl.sandbox.workspace import lexical_relative
+from nemo_gym_prorl.sandbox.workspace import lexical_relative, read_capped
 
 LOGGER = logging.getLogger(__name__)
 
@@ -308,7 +310,10 @@ for _ in 1 2 3 4 5; do
 done
 """
 
-_PROBE_SCRIPT = 'if [ -d "$1" ]; then echo dir; elif [ -e "$1" ]; then echo other; else echo missing; fi'
+_PROBE_SCRIPT = (
+    'if [ -d "$1" ]; then echo dir; elif [ -p "$1" ] || [ -S "$1" ] || [ -b "$1" ] || [ -c "$1" ]; then echo special; '
+    'elif [ -e "$1" ]; then echo other; else echo missing; fi'
+)
 
 
 class GymProviderSandbox(SandboxLifecycle):
@@ -402,6 +407,8 @@ class GymProviderSandbox(SandboxLifecycle):
             provider, handle = self._live_provider()
             try:
                 await provider.upload_file(handle, source, target)
+            except shutil.SpecialFileError:  # Gym's local provider copies with shutil, which refuses a FIFO
+                raise NotARegularFileError(errno.EINVAL, "not a regular file; refused", path) from None
             except OSError:
                 raise
             except Exception as e:
@@ -421,8 +428,11 @@ class GymProviderSandbox(SandboxLifecycle):
                     raise IsADirectoryError(errno.EISDIR, "Is a directory", path) from None
                 if kind == "missing":
                     raise FileNotFoundError(errno.ENOENT, "No such file or directory", path) from None
+                if kind == "special":
+                    raise NotARegularFileError(errno.EINVAL, "not a regular file; refused", path) from None
                 raise OSError(errno.EIO, f"cannot read: {e}", path) from e
-            return await asyncio.to_thread(target.read_bytes)
+            with open(target, "rb") as f:  # what the provider downloaded, read only up to limits.max_read_mb
+                return await asyncio.to_thread(read_capped, f, self.spec.limits.max_read_mb * 2**20, path)
 
     # -- internals ---------------------------------------------------------------------------------------------
 

@@ -3,13 +3,16 @@ completely even when the caller is cancelled meanwhile.
 
 A backend subclasses `SandboxLifecycle`, implements `start()` and `_close()` (kill everything, remove what
 `start()` made; also after a start that failed half-way), calls `_arm_wall_clock()` once started and
-`_check_open()` before each operation.
+`_check_open()` before each operation. What `start()` makes in a thread it runs with `to_thread_to_the_end`, so a
+cancelled start never leaves the thread making something after `close()` has looked.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
+from collections.abc import Callable
 from typing import Self
 
 from nemo_gym_prorl.sandbox.base import SandboxError, SandboxSpec
@@ -64,3 +67,18 @@ class SandboxLifecycle(abc.ABC):
         if self._wall_timer is not None:
             self._wall_timer.cancel()
         await self._close()
+
+
+async def to_thread_to_the_end(function: Callable[..., object], *args: object) -> None:
+    """`function(*args)` in a thread; cancelled meanwhile, wait for it to end before the cancellation goes on (so
+    that `close()` sees everything it made)."""
+    task = asyncio.ensure_future(asyncio.to_thread(function, *args))
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancellation is what the caller gets
+        raise

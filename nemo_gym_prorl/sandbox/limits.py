@@ -1,14 +1,15 @@
 """What bounds a sandbox beyond its namespaces: rlimits, a cgroup per sandbox, and the output kept per command.
 
-- `rlimits(limits)`: applied to every process inside. RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE and RLIMIT_CORE are per
-  process. RLIMIT_NPROC is counted per user *namespace* (Linux >= 5.14 accounts it in the namespace's ucounts), so
-  a sandbox whose processes live in user namespaces of its own gets a process limit of its own, although every
-  sandbox runs as the same host uid.
-- `SandboxCgroup`: cgroup v1 `pids` and `memory` directories for one sandbox, where this process may create them
-  (root on the hosts we run on; cgroup v2 is not usable there). `pids.max` bounds the processes of the sandbox
-  together and `memory.limit_in_bytes` its resident memory together, tmpfs pages included; the cgroup also lets
-  `close()` find and kill every process the sandbox ever started. Elsewhere `create()` returns None and only the
-  rlimits hold: per-process address space instead of a whole-sandbox memory cap.
+- `rlimits(limits)`: applied to every process inside. RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NOFILE and
+  RLIMIT_CORE are per process (open files in total: at most max_open_files x max_processes). RLIMIT_NPROC is
+  counted per user *namespace* (Linux >= 5.14 accounts it in the namespace's ucounts), so a sandbox whose processes
+  live in user namespaces of its own gets a process limit of its own, although every sandbox runs as the same uid.
+- `SandboxCgroup`: cgroup v1 `pids`, `memory` and `freezer` directories for one sandbox, where this process may
+  create them (root on the hosts we run on; cgroup v2 is not usable there). `pids.max` bounds the processes of the
+  sandbox together and `memory.limit_in_bytes` its resident memory together, tmpfs pages and the kernel's objects
+  for its open files included; the cgroup also lets `close()` find and kill every process the sandbox ever
+  started, and the freezer stops them all at once (while a fork copies the workspace). Elsewhere `create()`
+  returns None and only the rlimits hold: per-process address space instead of a whole-sandbox memory cap.
 - `OutputCap`: keeps the head and the tail of a command's output within a byte budget.
 
 Run as a script (`python -I -S limits.py REQUEST`), this module is also the helper that starts one program inside a
@@ -18,10 +19,12 @@ the standard library and its sibling `seccomp.py`, so it starts in a few millise
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import resource
 import signal
+import stat
 import sys
 
 TYPE_CHECKING = False  # not `from typing import ...`: typing and contextlib add ~10 ms to the helper's start-up
@@ -36,10 +39,11 @@ if TYPE_CHECKING:
         cpu_time_s: int | None
         max_processes: int | None
         file_size_mb: int | None
+        max_open_files: int | None
 
 
 CGROUP_PREFIX = "prorl-sbx-"
-_CONTROLLERS = ("pids", "memory")
+_CONTROLLERS = ("pids", "memory", "freezer")
 
 
 _RLIMIT_NAMES = {
@@ -48,6 +52,7 @@ _RLIMIT_NAMES = {
     "cpu": resource.RLIMIT_CPU,
     "fsize": resource.RLIMIT_FSIZE,
     "nproc": resource.RLIMIT_NPROC,
+    "nofile": resource.RLIMIT_NOFILE,
 }
 
 
@@ -59,13 +64,18 @@ def rlimits(limits: _Limits) -> dict[str, tuple[int, int]]:
         values["fsize"] = limits.file_size_mb * 2**20
     if limits.max_processes is not None:
         values["nproc"] = limits.max_processes
+    if limits.max_open_files is not None:
+        values["nofile"] = limits.max_open_files
     pairs = {name: (value, value) for name, value in values.items()}
     if limits.cpu_time_s is not None:
         pairs["cpu"] = (limits.cpu_time_s, limits.cpu_time_s + 1)
     return pairs
 
 
-_BASH_ULIMIT = {"as": ("-v", 1024), "core": ("-c", 1024), "cpu": ("-t", 1), "fsize": ("-f", 1024), "nproc": ("-u", 1)}
+_BASH_ULIMIT = {
+    "as": ("-v", 1024), "core": ("-c", 1024), "cpu": ("-t", 1), "fsize": ("-f", 1024), "nproc": ("-u", 1),
+    "nofile": ("-n", 1),
+}  # fmt: skip
 
 
 def ulimit_command(values: Mapping[str, tuple[int, int]]) -> str:
@@ -104,6 +114,7 @@ class SandboxCgroup:
                 "memory.limit_in_bytes": limits.memory_mb * 2**20,
                 "memory.memsw.limit_in_bytes": limits.memory_mb * 2**20,  # no swapping past the limit
             },
+            "freezer": {},
         }
         cgroup = cls(dirs)
         try:
@@ -139,8 +150,32 @@ class SandboxCgroup:
                 pass
         return found
 
+    @property
+    def can_freeze(self) -> bool:
+        return "freezer" in self.dirs
+
+    def freeze(self) -> bool:
+        """Ask the freezer to stop every process of the sandbox (those that join meanwhile too); True once all are
+        frozen (call again until then: the kernel freezes them asynchronously)."""
+        state = os.path.join(self.dirs["freezer"], "freezer.state")
+        with open(state, "w") as f:
+            f.write("FROZEN")
+        with open(state) as f:
+            return f.read().strip() == "FROZEN"
+
+    def thaw(self) -> None:
+        """Let the sandbox's processes run again (also needed before they can die of SIGKILL)."""
+        if "freezer" in self.dirs:
+            try:  # noqa: SIM105 - contextlib would slow the join helper's start-up
+                with open(os.path.join(self.dirs["freezer"], "freezer.state"), "w") as f:
+                    f.write("THAWED")
+            except FileNotFoundError:
+                pass
+
     def kill(self) -> set[int]:
-        """SIGKILL every process in the cgroup; returns the pids signalled."""
+        """SIGKILL every process in the cgroup (thawed first: a frozen process dies only once thawed); returns the
+        pids signalled."""
+        self.thaw()
         pids = self.pids()
         for pid in pids:
             try:  # noqa: SIM105 - contextlib would slow the join helper's start-up
@@ -346,7 +381,7 @@ def _exec_child(
         os.write(2, f"cannot enter the sandbox: {e}\n".encode())
         os._exit(JOIN_FAILED)
     if request["op"] != "exec":
-        os._exit(_file_op(request["op"], request["path"], request["cwd"]))
+        os._exit(_file_op(request["op"], request["path"], request["cwd"], request.get("max_read")))
     argv, env = request["argv"], request["env"]
     try:
         os.execvpe(argv[0], argv, env)
@@ -358,28 +393,57 @@ def _exec_child(
         os._exit(127)
 
 
-def _file_op(op: str, path: str, workspace: str) -> int:
-    """Read `path` to stdout or write stdin to it, as the sandbox's user, inside the sandbox. Failure: exit 1 with
-    "ERRNO:message", or "outside:" when symlinks lead out of `workspace`."""
+def _file_op(op: str, path: str, workspace: str, max_read: int | None) -> int:
+    """Read `path` to stdout (at most `max_read` bytes) or write stdin to it, as the sandbox's user, inside the
+    sandbox, opening it without blocking and only if it is a regular file. Failure: exit 1 with "ERRNO:message",
+    "outside:" when symlinks lead out of `workspace`, "special:KIND" for a FIFO, socket or device, "large:SIZE"
+    for a file over `max_read`."""
     real = os.path.realpath(path)
     if not real.startswith(workspace.rstrip("/") + "/"):
         _write_all(1, b"outside:")
         return 1
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
     try:
         if op == "read":
-            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
-            source, sink = fd, 1
+            fd = os.open(real, os.O_RDONLY | flags)
         else:
             os.makedirs(os.path.dirname(real), exist_ok=True)
-            fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-            source, sink = 0, fd
-        while chunk := os.read(source, 1 << 16):
-            _write_all(sink, chunk)
+            fd = os.open(real, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) and not stat.S_ISDIR(info.st_mode):
+            _write_all(1, f"special:{file_kind(info.st_mode)}".encode())
+            return 1
+        os.set_blocking(fd, True)
+        if op == "read":
+            if max_read is not None and info.st_size > max_read:
+                _write_all(1, f"large:{info.st_size}".encode())
+                return 1
+            left = max_read + 1 if max_read is not None else -1
+            while left and (chunk := os.read(fd, 1 << 16 if left < 0 else min(left, 1 << 16))):
+                _write_all(1, chunk)
+                left -= len(chunk) if left > 0 else 0
+        else:
+            os.ftruncate(fd, 0)
+            while chunk := os.read(0, 1 << 16):
+                _write_all(fd, chunk)
         os.close(fd)
     except OSError as e:
+        if e.errno == errno.ENXIO:  # a FIFO without a reader, a socket
+            _write_all(1, b"special:FIFO or socket")
+            return 1
         _write_all(1, f"{e.errno}:{e.strerror}".encode())
         return 1
     return 0
+
+
+def file_kind(mode: int) -> str:
+    """What a file of `mode` (st_mode) is, in words: "regular file", "FIFO", "socket", ..."""
+    kinds = ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+             (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))  # fmt: skip
+    for test, kind in kinds:
+        if test(mode):
+            return kind
+    return "special file"
 
 
 def _write_all(fd: int, data: bytes) -> None:

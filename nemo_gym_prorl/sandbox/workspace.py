@@ -6,7 +6,9 @@ paths relative to it or absolute under it. Two ways to check such a path:
 - `HostWorkspace`, for a workspace that is a host directory (a plain bwrap or Apptainer sandbox): `resolve()`
   rejects a path that leads outside, by `..` or through a symlink, and `write()`/`read()` walk to the file one
   directory at a time without following symlinks (`O_NOFOLLOW` at each step), so a link the sandbox swaps in after
-  the check cannot redirect the host's I/O. As root, what it creates belongs to the sandbox's host uid.
+  the check cannot redirect the host's I/O. The file itself is opened without blocking and used only if it is a
+  regular file (`open_regular`): a FIFO the sandbox made would otherwise hold a host thread forever. Reads are
+  capped (`read_capped`). As root, what it creates belongs to the sandbox's host uid.
 - `lexical_relative()`, for a workspace the host cannot open itself (a fork's overlay, a NeMo Gym provider's): it
   only follows `..`; symlinks are left to whatever does the I/O inside.
 
@@ -15,14 +17,22 @@ paths relative to it or absolute under it. Two ways to check such a path:
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
-from nemo_gym_prorl.sandbox.base import WORKSPACE, PathOutsideWorkspaceError
+from nemo_gym_prorl.sandbox.base import (
+    WORKSPACE,
+    FileTooLargeError,
+    NotARegularFileError,
+    PathOutsideWorkspaceError,
+)
+from nemo_gym_prorl.sandbox.limits import file_kind
 
 
 def lexical_relative(path: str, root: str = WORKSPACE, *, aliases: tuple[str, ...] = ()) -> PurePosixPath:
@@ -39,10 +49,12 @@ def lexical_relative(path: str, root: str = WORKSPACE, *, aliases: tuple[str, ..
 class HostWorkspace:
     """The host directory a sandbox sees at /workspace; see the module docstring."""
 
-    def __init__(self, directory: Path, owner_uid: int | None = None) -> None:
+    def __init__(self, directory: Path, owner_uid: int | None = None, max_read_bytes: int | None = None) -> None:
         self.directory = directory
         self.owner_uid = owner_uid
         """Host uid (and gid) that what `write()` creates is given to; None: left to the caller."""
+        self.max_read_bytes = max_read_bytes
+        """Largest file `read()` returns; None: no limit."""
 
     def resolve(self, path: str) -> PurePosixPath:
         """`path` relative to the workspace, symlinks resolved; PathOutsideWorkspaceError if that leaves it."""
@@ -59,23 +71,25 @@ class HostWorkspace:
         rel = self.resolve(path)
         dir_fd = self._open_dir(rel.parent.parts, create=True)
         try:
-            fd = os.open(rel.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
+            fd = open_regular(rel.name, os.O_WRONLY | os.O_CREAT, path, dir_fd=dir_fd)
         finally:
             os.close(dir_fd)
         with open(fd, "wb") as f:
+            os.ftruncate(fd, 0)  # not O_TRUNC: what is there is checked to be a regular file first
             if self.owner_uid is not None:
                 os.fchown(fd, self.owner_uid, self.owner_uid)
             f.write(data)
 
     def read(self, path: str) -> bytes:
+        """The file at `path`, at most `max_read_bytes` of it (FileTooLargeError past that)."""
         rel = self.resolve(path)
         dir_fd = self._open_dir(rel.parent.parts, create=False)
         try:
-            fd = os.open(rel.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+            fd = open_regular(rel.name, os.O_RDONLY, path, dir_fd=dir_fd)
         finally:
             os.close(dir_fd)
         with open(fd, "rb") as f:
-            return f.read()
+            return read_capped(f, self.max_read_bytes, path)
 
     def _open_dir(self, parts: tuple[str, ...], create: bool) -> int:
         """Open the workspace subdirectory `parts` without following symlinks, so a link swapped in from inside
@@ -97,6 +111,51 @@ class HostWorkspace:
             os.close(fd)
             raise
         return fd
+
+
+def open_regular(name: str, flags: int, shown: str, *, dir_fd: int | None = None) -> int:
+    """Open `name` (a last path component, under `dir_fd`) with `flags`, without following a symlink and without
+    blocking whatever the sandbox put there, and return the fd (blocking again) only if it is a regular file.
+    A FIFO, socket or device: NotARegularFileError; a directory: IsADirectoryError (`shown` names the path)."""
+    nonblocking = flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(name, nonblocking, 0o644, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a FIFO without a reader (opened to write), a socket
+            raise NotARegularFileError(errno.ENXIO, "not a regular file (a FIFO or socket); refused", shown) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", shown)
+        if not stat.S_ISREG(mode):
+            raise NotARegularFileError(errno.EINVAL, f"a {file_kind(mode)}, not a regular file; refused", shown)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_capped(f: BinaryIO, limit: int | None, shown: str) -> bytes:
+    """All of the open regular file `f`, or FileTooLargeError when it holds more than `limit` bytes (its size is
+    checked before reading: a sparse file costs no disk but would cost its whole size in memory)."""
+    size = os.fstat(f.fileno()).st_size
+    if limit is None:
+        return f.read()
+    if size <= limit:
+        data = f.read(limit + 1)  # it may have grown since
+        if len(data) <= limit:
+            return data
+        size = len(data)
+    raise FileTooLargeError(errno.EFBIG, too_large_message(size, limit), shown)
+
+
+def too_large_message(size: int, limit: int) -> str:
+    return (
+        f"{size} bytes, more than the {limit} bytes a file read takes (limits.max_read_mb); read parts of it with "
+        "a command (head, tail, sed -n, split)"
+    )
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
