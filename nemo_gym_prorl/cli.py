@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import ValidationError
 
 from nemo_gym_prorl.envs.task import TaskConfigError, load_task
+from nemo_gym_prorl.swe.command import swe_command
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -101,7 +102,8 @@ def image_command(args: list[str]) -> None:
     images.main(args[1:])
 
 
-COMMANDS = {"rollout": rollout_command, "serve": serve_command, "bench": bench_command, "image": image_command}
+COMMANDS = {"rollout": rollout_command, "serve": serve_command, "bench": bench_command, "image": image_command,
+            "swe": swe_command}
 
 
 def main(argv: list[str] | None = None) -> None:
