@@ -1,10 +1,14 @@
 """Task configs: a YAML under `tasks/` names a task type, its dataset, prompt, tools and limits — no code.
 
-Loading fails fast with one line that names the file and what is wrong in it.
+A task name (`math/arithmetic`) is looked up in the users' task folders first (`prorl` adds `DIR/tasks` for each
+`--config-dir` / `hydra.searchpath` entry DIR), then in the package's own `tasks/`. Loading fails fast with one
+line that names the file and what is wrong in it.
 """
 
 from __future__ import annotations
 
+import importlib.resources
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,7 +18,8 @@ from pydantic import BaseModel, Field, ValidationError
 from nemo_gym_prorl.sandbox.base import SandboxLimits
 from nemo_gym_prorl.tool_calls import ToolCallFormatName
 
-TASKS_DIR = Path(__file__).resolve().parents[2] / "tasks"
+# The package's tasks: in a checkout nemo_gym_prorl/tasks links to the top-level tasks/, a wheel carries a copy.
+TASKS_DIR = Path(str(importlib.resources.files("nemo_gym_prorl") / "tasks"))
 
 
 class TaskConfigError(ValueError):
@@ -41,22 +46,29 @@ class TaskConfig(BaseModel):
     resources_server_url: str | None = Field(None, description="type gym: the NeMo Gym resources server")
 
 
-def task_path(name: str, tasks_dir: Path = TASKS_DIR) -> Path:
-    """`math/arithmetic` -> tasks/math/arithmetic.yaml; a path to a YAML is taken as is."""
+def task_path(name: str, search_dirs: Sequence[Path] = ()) -> Path:
+    """`math/arithmetic` -> the first `<dir>/math/arithmetic.yaml` in `search_dirs`, else the package's
+    tasks/math/arithmetic.yaml (existing or not); a path to a YAML is taken as is."""
     candidate = Path(name)
     if candidate.suffix in (".yaml", ".yml"):
         return candidate
-    return tasks_dir / f"{name}.yaml"
+    for folder in search_dirs:
+        found = folder / f"{name}.yaml"
+        if found.is_file():
+            return found
+    return TASKS_DIR / f"{name}.yaml"
 
 
-def known_tasks(tasks_dir: Path = TASKS_DIR) -> list[str]:
-    return sorted(str(p.relative_to(tasks_dir).with_suffix("")) for p in tasks_dir.rglob("*.yaml"))
+def known_tasks(search_dirs: Sequence[Path] = ()) -> list[str]:
+    folders = [*search_dirs, TASKS_DIR]
+    return sorted({str(p.relative_to(d).with_suffix("")) for d in folders for p in d.rglob("*.yaml")})
 
 
-def load_task(name: str, tasks_dir: Path = TASKS_DIR) -> TaskConfig:
-    path = task_path(name, tasks_dir)
+def load_task(name: str, search_dirs: Sequence[Path] = ()) -> TaskConfig:
+    path = task_path(name, search_dirs)
     if not path.is_file():
-        raise TaskConfigError(f"unknown task {name!r}: no {path}; known tasks: {', '.join(known_tasks(tasks_dir))}")
+        known = ", ".join(known_tasks(search_dirs))
+        raise TaskConfigError(f"unknown task {name!r}: no {path}; known tasks: {known}")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

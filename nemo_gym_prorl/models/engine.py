@@ -21,6 +21,7 @@ import llama_cpp
 import numpy as np
 from pydantic import BaseModel, Field
 
+from nemo_gym_prorl.models.llama_log import route_llama_logs
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
@@ -82,6 +83,7 @@ class LlamaEngine:
         n_batch: int = 512,
         logprobs_mode: LogprobsMode = "raw_logprobs",
     ) -> None:
+        route_llama_logs()
         self.llama = llama_cpp.Llama(
             model_path=str(model_path),
             n_ctx=n_ctx,

@@ -1,9 +1,16 @@
-"""Start the embedded model server as a child process and stop it, whatever happens."""
+"""Start the embedded model server as a child process and stop it, whatever happens.
+
+The child's stderr (uvicorn, llama.cpp, a traceback) goes to the ``nemo_gym_prorl.models.server`` logger at INFO —
+`prorl` keeps it in the run's log file — and a server that dies before it is ready raises `ModelServerError` naming
+the last line it wrote.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -15,6 +22,12 @@ from pydantic import BaseModel
 
 from nemo_gym_prorl.child_lifetime import ends_with_parent
 from nemo_gym_prorl.models.server import READY_LINE
+
+log = logging.getLogger("nemo_gym_prorl.models.server")
+
+
+class ModelServerError(RuntimeError):
+    """The model server could not be started; the message names why and what to do."""
 
 
 class LocalModelConfig(BaseModel):
@@ -50,20 +63,40 @@ class ModelServerProcess:
         self.base_url = ""
         self.pid: int | None = None
         self._process: asyncio.subprocess.Process | None = None
+        self._stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
+        self._stderr_reader: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Self:
         self._process = await asyncio.create_subprocess_exec(
-            *self.argv, stdout=asyncio.subprocess.PIPE, start_new_session=True,
+            *self.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
             preexec_fn=ends_with_parent(signal.SIGTERM),
         )  # fmt: skip
         self.pid = self._process.pid
+        self._stderr_reader = asyncio.create_task(self._read_stderr(self._process))
         try:
             port = await asyncio.wait_for(self._ready_port(), self.startup_timeout_s)
+        except TimeoutError:
+            await self.stop()
+            raise ModelServerError(
+                f"the model server was not ready within {self.startup_timeout_s:g} s{self._last_words()}"
+            ) from None
         except BaseException:
             await self.stop()
             raise
         self.base_url = f"http://{self.host}:{port}/v1"
         return self
+
+    async def _read_stderr(self, process: asyncio.subprocess.Process) -> None:
+        """Drain the child's stderr for as long as it lives (a full pipe would block it), keeping the last lines."""
+        assert process.stderr is not None
+        async for raw in process.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            if line:
+                self._stderr_tail.append(line)
+                log.info("%s", line)
+
+    def _last_words(self) -> str:
+        return f": {self._stderr_tail[-1]}" if self._stderr_tail else ""
 
     async def _ready_port(self) -> int:
         assert self._process is not None and self._process.stdout is not None
@@ -72,20 +105,30 @@ class ModelServerProcess:
             if line.startswith(READY_LINE):
                 return int(line.split()[1])
         code = await self._process.wait()
-        raise RuntimeError(f"the local model server exited with code {code} before it was ready")
+        if self._stderr_reader is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._stderr_reader), 5)
+        raise ModelServerError(f"the model server exited with code {code} before it was ready{self._last_words()}")
 
     async def stop(self) -> None:
         process, self._process = self._process, None
-        if process is None or process.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
+        reader, self._stderr_reader = self._stderr_reader, None
         try:
-            await asyncio.wait_for(process.wait(), 10)
-        except TimeoutError:
+            if process is None or process.returncode is not None:
+                return
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), 10)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                await process.wait()
+        finally:
+            if reader is not None:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -99,3 +142,16 @@ class LocalModelServer(ModelServerProcess):
     def __init__(self, config: LocalModelConfig) -> None:
         super().__init__(config.argv(), config.host, config.startup_timeout_s)
         self.config = config
+
+    async def __aenter__(self) -> Self:
+        check_gguf(self.config)
+        return await super().__aenter__()
+
+
+def check_gguf(config: LocalModelConfig) -> None:
+    """A GGUF path that is not a file fails here, in one line, rather than in the server process."""
+    if config.gguf is not None and not config.gguf.is_file():
+        raise ModelServerError(
+            f"model.gguf={config.gguf} is not a file: give the path of a GGUF model, "
+            "or leave model.gguf unset for the embedded SmolLM2-135M-Instruct"
+        )

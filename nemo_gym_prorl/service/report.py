@@ -27,22 +27,20 @@ class RolloutReport:
     def __enter__(self) -> RolloutReport:
         self.output.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.output.open("w")
-        self._bar = tqdm(desc="rollouts", unit="rollout", dynamic_ncols=True)
         self._started = time.perf_counter()
         return self
 
     def expect(self, total: int) -> None:
-        assert self._bar is not None
-        self._bar.total = total
-        self._bar.refresh()
+        """The bar starts once the total is known: started earlier, it would first draw a line without one."""
+        self._bar = tqdm(total=total, desc="rollouts", unit="rollout", dynamic_ncols=True)
 
     def add(self, trajectory: Trajectory) -> None:
         assert self._file is not None and self._bar is not None
         self._file.write(trajectory.model_dump_json() + "\n")
         self._file.flush()
         self.trajectories.append(trajectory)
+        self._bar.set_postfix(reward=f"{self.mean('reward'):.2f}", refresh=False)
         self._bar.update(1)
-        self._bar.set_postfix(reward=f"{self.mean('reward'):.2f}")
 
     def mean(self, attribute: str) -> float:
         values = [float(getattr(t, attribute)) for t in self.trajectories]

@@ -1,0 +1,46 @@
+"""Checks that what `prorl rollout` / `prorl serve` needs can start, made before anything is started: each failure
+is a `StartupError` whose message names the cause and what to do (the CLI shows it as one line)."""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+from nemo_gym_prorl.sandbox import SandboxSpec, backends, open_sandbox
+
+
+class StartupError(RuntimeError):
+    """Something a command needs cannot start; the message says why and what to do."""
+
+
+async def check_sandbox_backend(backend: str) -> None:
+    """Start and close one sandbox of `backend`, as every rollout will."""
+    try:
+        sandbox = open_sandbox(backend, SandboxSpec())
+    except ValueError:
+        raise StartupError(
+            f"unknown sandbox backend {backend!r}: choose sandbox=bwrap or sandbox=apptainer "
+            f"(backends: {', '.join(backends())}), or sandbox.backend=gym:<provider> for a NeMo Gym provider"
+        ) from None
+    try:
+        await sandbox.start()
+    except Exception as e:
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise StartupError(f"the {backend} sandbox backend cannot start a sandbox: {detail}") from e
+    finally:
+        await sandbox.close()
+
+
+def check_port_free(host: str, port: int, setting: str) -> None:
+    """`port` on `host` can be listened on (0, any free port, always can); `setting` names the config key."""
+    if port == 0:
+        return
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise StartupError(
+                f"{setting}={port}: port {port} on {host} is already in use: stop what listens there "
+                f"or choose another {setting}"
+            ) from None
+        raise StartupError(f"{setting}={port}: cannot listen on {host}:{port}: {e.strerror}") from None
