@@ -38,6 +38,8 @@ class SweSettings(BaseModel):
     max_patch_bytes: int = Field(500_000, gt=0)
     partial_reward: bool = Field(False, description="fraction of FAIL_TO_PASS passing while every PASS_TO_PASS does")
     skip_empty_patch: bool = Field(True, description="grade an empty patch 0 without running the tests")
+    fork_groups: bool = Field(True, description="samples of one instance started together share one staging, "
+                              "each in a copy-on-write fork of it (backends that can fork)")
 
 
 class SweEnvironment(Environment):
@@ -48,9 +50,12 @@ class SweEnvironment(Environment):
         except ValidationError as e:
             raise ValueError(f"task {task.name!r}: verifier settings: {e}") from None
         self.base_dir = task.dataset.path.parent
+        self._backend_forks = hasattr(open_sandbox(sandbox_backend, SandboxSpec()), "fork")
+        self._forming: dict[str, list[asyncio.Future[tuple[Sandbox, str]]]] = {}
 
     def row(self, instance: TaskInstance) -> SweRow:
-        row = parse_row(instance.data, instance.instance_id, self.settings.row_format)
+        data = instance.data if "instance_id" in instance.data else instance.data | {"instance_id": instance.instance_id}
+        row = parse_row(data, instance.instance_id, self.settings.row_format)
         try:
             swe_repo.check_source(row.repo_source)
         except ValueError as e:
@@ -70,8 +75,41 @@ class SweEnvironment(Environment):
 
     async def init(self, instance: TaskInstance) -> Episode:
         row = self.row(instance)
-        sandbox, base = await self._staged_sandbox(row)
+        if self.settings.fork_groups and self._backend_forks:
+            sandbox, base = await self._group_member(instance, row)
+        else:
+            sandbox, base = await self._staged_sandbox(row)
         return Episode(instance=instance, sandbox=sandbox, session={"base_commit": base})
+
+    async def _group_member(self, instance: TaskInstance, row: SweRow) -> tuple[Sandbox, str]:
+        """A sandbox forked from a staging shared by every init of the same instance that arrives before it is
+        done (the samples of a GRPO group are submitted together): the first stages, all get a fork of it."""
+        key = instance.model_dump_json()
+        waiting: asyncio.Future[tuple[Sandbox, str]] = asyncio.get_running_loop().create_future()
+        members = self._forming.get(key)
+        if members is not None:
+            members.append(waiting)
+            return await waiting
+        members = self._forming[key] = [waiting]
+        try:
+            parent, base = await self._staged_sandbox(row)
+        except BaseException as e:
+            del self._forming[key]
+            _fail(members[1:], e)
+            raise
+        del self._forming[key]  # later arrivals start a group of their own
+        try:
+            forks = await parent.fork(len(members), close=True)  # type: ignore[attr-defined]
+        except BaseException as e:
+            await asyncio.shield(parent.close())
+            _fail(members[1:], e)
+            raise
+        for member, fork in zip(members, forks, strict=True):
+            if member.done():  # its init was cancelled meanwhile
+                await asyncio.shield(fork.close())
+            else:
+                member.set_result((fork, base))
+        return await waiting
 
     async def collect(self, episode: Episode) -> Submission:
         assert episode.sandbox is not None
@@ -116,3 +154,9 @@ class SweEnvironment(Environment):
             await asyncio.shield(sandbox.close())
             raise
         return sandbox, base
+
+
+def _fail(members: list[asyncio.Future[tuple[Sandbox, str]]], error: BaseException) -> None:
+    for member in members:
+        if not member.done():
+            member.set_exception(RuntimeError(f"the group's staging failed: {error!r}"))
