@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from types import TracebackType
@@ -12,6 +13,8 @@ from rich.table import Table
 from tqdm import tqdm
 
 from nemo_gym_prorl.service.trajectory import Trajectory
+
+_STAGES = ("init", "run", "eval")
 
 
 class RolloutReport:
@@ -65,7 +68,8 @@ class RolloutReport:
         return [
             ("rollouts", str(len(trajectories))),
             ("mean reward", f"{self.mean('reward'):.3f}"),
-            ("resolved", f"{sum(t.resolved for t in trajectories)}"),
+            ("resolved", f"{sum(t.resolved for t in trajectories)} ({sum(t.resolved for t in trajectories) / n:.0%})"),
+            *self._patch_rows(),
             ("mean turns", f"{sum(turns) / n:.2f}"),
             ("tool calls run", str(sum(t.num_tool_calls for t in trajectories))),
             ("format errors", str(sum(t.num_format_errors for t in trajectories))),
@@ -76,6 +80,18 @@ class RolloutReport:
             ("wall time", f"{self.wall_s:.1f} s"),
             ("output", str(self.output)),
         ]
+
+    def _patch_rows(self) -> list[tuple[str, str]]:
+        """Tasks graded on a patch (swe) say whether it applied; every run shows its per-stage times (p50)."""
+        trajectories, rows = self.trajectories, []
+        graded = [t for t in trajectories if "patch_applied" in t.evaluation]
+        if graded:
+            applied = sum(bool(t.evaluation["patch_applied"]) for t in graded)
+            rows.append(("patch applied", f"{applied} ({applied / len(graded):.0%})"))
+        if trajectories:
+            p50 = {stage: statistics.median(getattr(t.timing, stage) for t in trajectories) for stage in _STAGES}
+            rows.append(("p50 init / run / eval", " / ".join(f"{p50[s]:.2f} s" for s in _STAGES)))
+        return rows
 
     def print_summary(self, console: Console | None = None) -> None:
         table = Table(title=f"prorl rollout: {self.title}")
