@@ -23,6 +23,7 @@ SERVERS = (
     "resources_servers/prorl_math",
     "resources_servers/prorl_bench",
     "responses_api_agents/prorl_service",
+    "responses_api_agents/prorl_agent",
     "responses_api_agents/simple_agent",
     "responses_api_models/vllm_model",
     "environment_servers/legacy_agent",

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from nemo_gym_prorl.service.metrics import ServiceMetrics
 from nemo_gym_prorl.service.orchestrator import JobConflict, JobRequest, JobView, Orchestrator, RejectedJob
@@ -34,9 +34,25 @@ class ProcessRequest(JobRequest):
     n: Literal[1] = 1
 
 
-class AddressRequest(BaseModel):
+class AddLLMServerRequest(BaseModel):
+    """ProRL's body (``address``), plus: several at once, the model name they serve (sent as each request's
+    ``model`` there), their API key, and whether they replace every other backend (a trainer's policy servers)."""
+
     model_config = ConfigDict(extra="forbid")
-    address: str
+    address: str | None = None
+    addresses: list[str] = Field(default_factory=list)
+    model: str | None = Field(None, description="the name these backends serve; default: the service's model name")
+    api_key: str | None = Field(None, description="sent to these backends as a bearer token")
+    replace: bool = Field(False, description="remove every other backend first")
+
+    @model_validator(mode="after")
+    def _some_address(self) -> AddLLMServerRequest:
+        if self.address is None and not self.addresses:
+            raise ValueError("give `address` or `addresses`")
+        return self
+
+    def all_addresses(self) -> list[str]:
+        return ([self.address] if self.address is not None else []) + self.addresses
 
 
 class JobIdRequest(BaseModel):
@@ -138,12 +154,13 @@ def create_app(orchestrator: Orchestrator, token: str | None = None, max_body_by
         return orchestrator.status()
 
     @app.post("/add_llm_server", dependencies=guarded)
-    async def add_llm_server(body: AddressRequest) -> dict[str, Any]:
+    async def add_llm_server(body: AddLLMServerRequest) -> dict[str, Any]:
         try:
-            address = orchestrator.pool.add(body.address)
+            added = orchestrator.pool.register(body.all_addresses(), body.model, body.api_key, body.replace)
         except ValueError as e:
-            raise RejectedJob("address", str(e)) from None
-        return {"address": address, "backends": [b.model_dump() for b in orchestrator.pool.backends()]}
+            raise RejectedJob("address" if body.address is not None else "addresses", str(e)) from None
+        backends = [b.model_dump() for b in orchestrator.pool.backends()]
+        return {"address": added[0], "addresses": added, "backends": backends}
 
     @app.post("/clear_llm_server", dependencies=guarded)
     async def clear_llm_server() -> dict[str, Any]:

@@ -9,6 +9,12 @@ picks one of the service's tasks with ``prorl_task`` (default: the first); the r
 included, is the task instance. When a Gym resources server's /verify masks a sample (``mask_sample``, with its
 ``failure_kind`` and ``failure_reason``), the verify response says so too.
 
+What NeMo RL needs of a result, always: ``mask_sample`` also at ``instance_config.mask_sample`` (where it reads it;
+Gym's agents set both); at least one output item with generated tokens (a result without raises in its
+post-processing and ends a sync GRPO step), so a rollout that ended before the model's first turn comes back with
+that turn generated alone and masked; and top-level numbers that mean something, since it logs each as a metric:
+``num_turns``, ``num_tool_calls``, ``num_format_errors`` and the stage times ``{init,run,eval,queued}_time_s``.
+
 ``gym eval run`` calls ``/aggregate_metrics`` once its rollouts are written, with each verify response stripped of
 ``response`` and ``responses_create_params``; the answer is Gym's ``AggregateMetrics``, computed by Gym's own
 ``compute_aggregate_metrics`` as its ``SimpleResponsesAPIAgent`` does. Verify responses Gym cannot aggregate (two
@@ -89,34 +95,61 @@ def gym_verify_response(row: GymRunRequest, trajectory: Trajectory, model: str) 
         "failure_reason": trajectory.error or verdict.get("failure_reason"),
     }
     BaseVerifyResponse.model_validate(body)  # the shape Gym and NeMo RL read; fails loudly here, not there
+    timing = trajectory.timing
     return body | {
+        "instance_config": {"mask_sample": masked},  # where NeMo RL reads the mask
         "resolved": trajectory.resolved,
         "finish": trajectory.finish,
         "critical_error": trajectory.critical_error,
         "evaluation": trajectory.evaluation,
-        "timing": trajectory.timing.model_dump(),
         "instance_id": trajectory.instance_id,
         "trajectory_id": trajectory.trajectory_id,
+        # NeMo RL logs every top-level number of a result as a metric (per agent): these, always present.
+        "num_turns": sum(1 for m in trajectory.assistant_turns() if "first_turn_only" not in m),
+        "num_tool_calls": trajectory.num_tool_calls,
+        "num_format_errors": trajectory.num_format_errors,
+        "init_time_s": timing.init,
+        "run_time_s": timing.run,
+        "eval_time_s": timing.eval,
+        "queued_time_s": timing.queued,
     }
+
+
+async def run_row(orchestrator: Orchestrator, row: GymRunRequest) -> dict[str, Any]:
+    """One Gym row as one rollout; its verify response. A rollout that ended before the model's first turn comes
+    back with that turn generated alone and masked (``Orchestrator.with_first_turn``): a result without generated
+    tokens would end NeMo RL's training step."""
+    instance = {k: v for k, v in row.model_dump(exclude={TASK_KEY}).items() if k not in _GYM_KEYS}
+    request = JobRequest(task=row.prorl_task, instance=instance, sampling_params=row_sampling(row.responses_create_params))
+    try:
+        job_id = orchestrator.submit(request)
+    except RejectedJob as e:  # named as the row names it
+        raise RejectedJob({"task": TASK_KEY, "instance": "row"}.get(e.field, e.field), e.message) from None
+    trajectory = (await orchestrator.wait(job_id)).results[0]
+    if not trajectory.assistant_turns() and _ended_before_the_model(trajectory):
+        trajectory = await orchestrator.with_first_turn(request, trajectory)
+    return gym_verify_response(row, trajectory, orchestrator.model.name)
+
+
+def _ended_before_the_model(trajectory: Trajectory) -> bool:
+    """Its sandbox failed, or it timed out or was cancelled before the run stage: the model was never asked (a model
+    request that failed is not asked again)."""
+    if trajectory.critical_error == "init":
+        return True
+    return trajectory.critical_error in ("timeout", "cancelled") and trajectory.timing.run == 0
+
+
+async def aggregate_metrics(body: AggregateMetricsRequest) -> AggregateMetrics:
+    # Gym's profiler (pandas) is CPU-bound over a whole run's rollouts: off the loop the pipeline runs on.
+    try:
+        return await asyncio.to_thread(compute_aggregate_metrics, body.verify_responses)
+    except Exception as e:  # the items are free-form dicts; what Gym's profiler cannot take is a bad request
+        raise HTTPException(422, f"verify_responses: Gym cannot aggregate them: {type(e).__name__}: {e}") from e
 
 
 def add_gym_agent_routes(app: FastAPI, orchestrator: Orchestrator, token: str | None) -> None:
     @app.post("/run", dependencies=[bearer_guard(token)])
     async def run(row: GymRunRequest) -> dict[str, Any]:
-        instance = {k: v for k, v in row.model_dump(exclude={TASK_KEY}).items() if k not in _GYM_KEYS}
-        sampling = row_sampling(row.responses_create_params)
-        request = JobRequest(task=row.prorl_task, instance=instance, sampling_params=sampling)
-        try:
-            job_id = orchestrator.submit(request)
-        except RejectedJob as e:  # named as the row names it
-            raise RejectedJob({"task": TASK_KEY, "instance": "row"}.get(e.field, e.field), e.message) from None
-        view = await orchestrator.wait(job_id)
-        return gym_verify_response(row, view.results[0], orchestrator.model.name)
+        return await run_row(orchestrator, row)
 
-    @app.post("/aggregate_metrics", dependencies=[bearer_guard(token)])
-    async def aggregate_metrics(body: AggregateMetricsRequest) -> AggregateMetrics:
-        # Gym's profiler (pandas) is CPU-bound over a whole run's rollouts: off the loop the pipeline runs on.
-        try:
-            return await asyncio.to_thread(compute_aggregate_metrics, body.verify_responses)
-        except Exception as e:  # the items are free-form dicts; what Gym's profiler cannot take is a bad request
-            raise HTTPException(422, f"verify_responses: Gym cannot aggregate them: {type(e).__name__}: {e}") from e
+    app.post("/aggregate_metrics", dependencies=[bearer_guard(token)])(aggregate_metrics)

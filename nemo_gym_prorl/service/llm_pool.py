@@ -144,6 +144,17 @@ class LLMPool:
             self._auth.pop(base, None)
         return base
 
+    def register(
+        self, addresses: Iterable[str], model: str | None = None, api_key: str | None = None, replace: bool = False
+    ) -> list[str]:
+        """Add (or update) backends serving one model; with `replace`, every other backend is removed. All addresses
+        are checked before anything changes; returns their normalised bases."""
+        bases = [normalize_address(a) for a in addresses]
+        if replace:
+            for other in [a for a in self._backends if a not in bases]:
+                self.remove(other)
+        return [self.add(base, model, api_key) for base in bases]
+
     def remove(self, address: str) -> bool:
         """Route nothing more to it; requests already there finish, its trajectories move on their next request."""
         backend = self._backends.pop(normalize_address(address), None)

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from nemo_gym_prorl.envs import Environment, make_environment
+from nemo_gym_prorl.envs import Environment, Episode, make_environment
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.envs.task import TaskConfig
 from nemo_gym_prorl.models.engine import SamplingParams
@@ -174,14 +174,9 @@ class Orchestrator:
             sampling = request.sampling_params
             if sampling.seed is not None:  # reproducible, and different across the samples of a group
                 sampling = sampling.model_copy(update={"seed": sample_seed(sampling.seed, instance.instance_id, sample)})
-            generator = turn_generator(
-                self.model.generation_mode, self.pool.poster(trajectory_id), self.model.name, sampling, self.tokenizer,
-                self.model.context_window,
-            )  # fmt: skip
-            fmt = tool_call_format(env.task.tool_call_format or self.model.tool_call_format)
             rollout = Rollout(
                 env=env,
-                agent=AgentLoop(generator, fmt, env.task.max_turns),
+                agent=self._agent(env, trajectory_id, sampling),
                 instance=instance,
                 job_deadline_s=request.deadlines.total_s,
                 stage_deadlines_s=deadlines,
@@ -192,6 +187,46 @@ class Orchestrator:
         live.rollouts += rollouts
         self.store.set_state(job_id, "running")
         self.pipeline.submit(rollouts)
+
+    def _agent(self, env: Environment, trajectory_id: str, sampling: SamplingParams) -> AgentLoop:
+        generator = turn_generator(
+            self.model.generation_mode, self.pool.poster(trajectory_id), self.model.name, sampling, self.tokenizer,
+            self.model.context_window,
+        )  # fmt: skip
+        fmt = tool_call_format(env.task.tool_call_format or self.model.tool_call_format)
+        return AgentLoop(generator, fmt, env.task.max_turns)
+
+    async def with_first_turn(self, request: JobRequest, trajectory: Trajectory) -> Trajectory:
+        """A rollout that ended before the model's first turn (its sandbox did not start, say), with that turn
+        generated on the task's first prompt alone — no sandbox, no tool run — and masked (``first_turn_only``).
+
+        NeMo RL's post-processing needs a generated token in every result: one without raises, and in sync GRPO
+        that ends the training step. A masked result it accepts and trains on none of. The turn is the policy's
+        own generation on the prompt every sample of the group starts from, so nothing in it is made up. When
+        even that turn cannot be generated, the trajectory comes back as it was, its error saying so."""
+        env = self._env(request.task)
+        instance = self._instance(env, request)
+        trajectory_id = f"{trajectory.trajectory_id}:first-turn"
+        agent = self._agent(env, trajectory_id, request.sampling_params)
+        outcome = agent.start(env, Episode(instance=instance, sandbox=None))
+        try:
+            turn = await agent.generator.generate(outcome.messages, outcome.tools or None, None)
+        except Exception as e:  # whatever it was, the result says so and goes back
+            error = f"{trajectory.error}; its first turn alone could not be generated either: {type(e).__name__}: {e}"
+            return trajectory.model_copy(update={"error": error})
+        finally:
+            self.pool.release(trajectory_id)
+        assistant = {
+            "role": "assistant",
+            "content": turn.text,
+            "prompt_token_ids": turn.prompt_token_ids,
+            "generation_token_ids": turn.generation_token_ids,
+            "generation_log_probs": turn.generation_log_probs,
+            "finish_reason": turn.finish_reason,
+            "mask": True,
+            "first_turn_only": f"the rollout ended before its first turn ({trajectory.critical_error})",
+        }
+        return trajectory.model_copy(update={"messages": [*outcome.messages, assistant], "tools": outcome.tools})
 
     def _record(self, job_id: str, sample: int, trajectory: Trajectory) -> None:
         if self._closing:  # stopped by the shutdown, not finished: the job stays in flight for `recover`
