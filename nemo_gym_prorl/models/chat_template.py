@@ -77,25 +77,51 @@ class ChatTemplate:
         """Text that follows the generated tokens of ``history[-1]`` (an assistant turn) up to the next
         generation prompt, with ``new_messages`` (tool results, user replies) in between.
 
-        The generated text is replaced by a sentinel, so how the template would re-render it never matters.
-        `generation_end` is the text of the end-of-generation token the turn's tokens end with ("" when cut): the
-        template's turn end is not repeated when it starts with that token, and is kept when the model ended on
-        another one (``<|endoftext|>`` where the template closes turns with ``<|im_end|>``).
+        It is the template's own text after that turn's content when the whole conversation is rendered, the
+        turn's content replaced by a sentinel: how the template would re-render the generated text (its tool
+        calls, a think block) never matters, and neither does what the template renders only while the turn is
+        the last message (Qwen3's empty think block). `generation_end` is the text of the end-of-generation token
+        the turn's tokens end with ("" when cut): the template's turn end is not repeated when it starts with that
+        token, and is kept when the model ended on another one (``<|endoftext|>`` where the template closes turns
+        with ``<|im_end|>``).
+
+        The earlier turns' exact tokens stay the prefix, so the template must render them the same once later
+        turns exist; `TemplateNotIncrementalError` says where one does not (tools placed before the last user
+        message, say). What a template does to an assistant turn's own content (Qwen3 drops the reasoning of
+        turns before the last user message, Llama 3 trims it) is not checked: the model's own tokens are kept,
+        as NeMo RL's server keeps them when it splices earlier turns.
         """
         if not history or history[-1].get("role") != "assistant":
             raise ValueError("continuation_text needs a history that ends with the assistant turn")
-        history = [*history[:-1], {"role": "assistant", "content": _SENTINEL}]
-        before = self.render(history, tools)
-        after = self.render(history + list(new_messages), tools, add_generation_prompt=True)
-        if not after.startswith(before):
+        earlier = [_content_masked(m, i) for i, m in enumerate(history[:-1])]
+        before = self.render(earlier, tools)
+        rendered = self.render(
+            [*earlier, {"role": "assistant", "content": _SENTINEL}, *new_messages], tools, add_generation_prompt=True
+        )
+        if rendered.count(_SENTINEL) != 1:
             raise TemplateNotIncrementalError(
-                "the chat template renders earlier turns differently once later turns exist; "
-                "token-in/token-out rollouts need an incremental template"
+                "the chat template does not render an assistant turn's content as given, so the text after a "
+                "generation cannot be told; token-in/token-out rollouts need one that does"
             )
-        turn_end = before[before.rindex(_SENTINEL) + len(_SENTINEL) :]
-        if generation_end and turn_end.startswith(generation_end):
-            turn_end = turn_end[len(generation_end) :]
-        return turn_end + after[len(before) :]
+        head, tail = rendered.split(_SENTINEL)
+        if not head.startswith(before):
+            at = next((i for i, (a, b) in enumerate(zip(before, head)) if a != b), min(len(before), len(head)))
+            raise TemplateNotIncrementalError(
+                f"the chat template renders earlier turns differently once later turns exist (from character {at}: "
+                f"{before[at : at + 60]!r} becomes {head[at : at + 60]!r}); token-in/token-out rollouts keep earlier "
+                "turns' tokens and need a template whose earlier turns render stably"
+            )
+        if generation_end and tail.startswith(generation_end):
+            tail = tail[len(generation_end) :]
+        return tail
+
+
+def _content_masked(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """An earlier assistant turn with a placeholder for its content: the stability check compares the template's
+    own text around turns, not what it makes of generated content (which may depend on later turns by design)."""
+    if message.get("role") != "assistant":
+        return message
+    return {**message, "content": f"\x00PRORL-TURN-{index}\x00"}
 
 
 def _inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import llama_cpp
@@ -30,6 +31,14 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         return cls(llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False))
 
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """The same vocabulary rendering conversations with another chat template (a model's template fixed
+        upstream, or one that differs from what its GGUF carries)."""
+        other = copy.copy(self)
+        current = self.chat_template
+        other.chat_template = ChatTemplate(source, bos_token=current.bos_token, eos_token=current.eos_token)
+        return other
+
     def _token_text(self, token_id: int) -> str:
         return self._model.token_get_text(token_id) if token_id >= 0 else ""
 
@@ -37,9 +46,9 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in it (``<|im_start|>``) become their ids."""
         return self._model.tokenize(text.encode(), add_bos, True) if text else []
 
-    def decode(self, token_ids: list[int]) -> str:
-        """Text of generated ids, without special tokens (as vLLM's skip_special_tokens)."""
-        return self._model.detokenize(token_ids, special=False).decode("utf-8", errors="replace")
+    def decode(self, token_ids: list[int], special: bool = False) -> str:
+        """Text of token ids; special tokens are left out (as vLLM's skip_special_tokens) unless `special`."""
+        return self._model.detokenize(token_ids, special=special).decode("utf-8", errors="replace")
 
     def piece(self, token_id: int) -> str:
         return self._model.token_to_piece(token_id, special=True).rstrip(b"\0").decode("utf-8", errors="replace")
