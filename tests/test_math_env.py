@@ -43,3 +43,30 @@ def test_grading_works_off_the_main_thread() -> None:
     worker.start()
     worker.join()
     assert results[0].resolved
+
+
+@pytest.mark.parametrize(
+    "expected", ["2\\sqrt{3}", "\\(2\\sqrt{3}\\)", "$2\\sqrt{3}$", "\\(\\sqrt{12}\\)"]
+)
+def test_gold_answers_written_as_gym_math_data_writes_them(expected: str) -> None:
+    """Raw LaTeX and \\( \\)-wrapped gold answers are math (math_with_judge reads them as a \\boxed{} content)."""
+    assert grade_answer("so \\boxed{2\\sqrt{3}}", expected).resolved
+    assert not grade_answer("\\boxed{3\\sqrt{2}}", expected).resolved
+
+
+def test_math_verify_time_limits_hold_off_the_main_thread() -> None:
+    """Off the main thread the grading runs in a worker process's main thread: a wrong gold still raises there."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def grade() -> None:
+        try:
+            grade_answer("\\boxed{1}", "@@@")
+        except ValueError as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=grade)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1 and "not parseable" in str(errors[0])
