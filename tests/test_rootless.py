@@ -58,6 +58,10 @@ async def main():
     await forks[0].run("echo mine > f.txt; rm -rf e", 10)
     report["forks"] = [(await f.run("cat f.txt", 10)).output for f in forks]
     report["fork_exec"] = (await forks[1].exec(["cat", "f.txt"], 10)).output
+    await forks[0].run("sleep 300 &", 10)
+    (again,) = await forks[0].fork(1)  # its processes stopped (no freezer cgroup rootless) while it is copied
+    report["fork_again"] = (await again.run("cat f.txt", 10)).output + (await forks[0].run("jobs -r", 10)).output
+    await again.close()
     init = open(f"/proc/{forks[1].pid}/task/{forks[1].pid}/children").read().split()[0]
     os.kill(int(init), 9)
     try:
@@ -117,5 +121,6 @@ def test_a_rootless_user_gets_the_same_sandbox(unprivileged_tmp: Path) -> None:
     made, errno = report["forks_made"].split()
     assert int(made) < 40 and int(errno) == 11  # EAGAIN: the process limit held
     assert report["exec"] == "base\n" and report["forks"] == ["mine\n", "base\n"] and report["fork_exec"] == "base\n"
+    assert report["fork_again"].startswith("mine\n") and "Running" in report["fork_again"]  # and it runs on
     assert report["killed"].startswith("the sandbox was killed")
     assert report["left"] == []  # every temp dir removed, overlay work dirs included
