@@ -540,7 +540,8 @@ async def test_a_backend_that_refuses_what_another_serves_is_passed_over_and_eje
 
 async def test_waiting_requests_keep_probing_until_an_ejected_backend_is_back(stand_in) -> None:
     backend = await stand_in("a")
-    backend.fail_next, backend.fail_status, backend.models_down = 1, 503, True  # ejected by a request, and its first probes fail too
+    # ejected by a request, and its first probes fail too
+    backend.fail_next, backend.fail_status, backend.models_down = 1, 503, True
     async with LLMPool(config(failures_to_eject=1, max_retries=1), [backend.address]) as pool:
         waiting = asyncio.create_task(pool.post("t1", "/completions", {"prompt": [1]}))
         await eventually(lambda: (state(pool, backend).last_error or "").startswith("health probe"))
@@ -595,7 +596,10 @@ async def test_a_500_whose_body_names_an_assertion_or_an_overflow_is_raised_at_o
             backend.fail_next, backend.fail_body = 1, {"error": {"message": overflow}}
         with pytest.raises(ContextLengthExceeded):
             await pool.post("t", "/chat/completions", {})
-        assert a.completions + b.completions == 2
+        a.refusal = b.refusal = overflow  # how NeMo RL's server answers it: a 400
+        with pytest.raises(ContextLengthExceeded):
+            await pool.post("t", "/chat/completions", {})
+        assert a.completions + b.completions == 3
         assert all(s.healthy and s.failures == 0 for s in pool.backends())
 
 

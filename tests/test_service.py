@@ -99,6 +99,16 @@ async def test_prorl_endpoints(instant_model: str, tmp_path: Path) -> None:
         assert (await http.post("/start")).json()["paused"] is False
         added = (await http.post("/add_llm_server", json={"address": "127.0.0.1:1"})).json()
         assert len(added["backends"]) == 2
+        policy = {"addresses": ["127.0.0.1:2", "http://127.0.0.1:3/v1"], "model": "policy", "api_key": "s3cret-key"}
+        policy["replace"] = True
+        replaced = (await http.post("/add_llm_server", json=policy)).json()  # a trainer's policy servers, alone
+        assert [(b["address"], b["model"]) for b in replaced["backends"]] == [
+            ("http://127.0.0.1:2/v1", "policy"), ("http://127.0.0.1:3/v1", "policy")
+        ] and "s3cret-key" not in str(replaced)  # fmt: skip
+        bad = await http.post("/add_llm_server", json={"addresses": ["127.0.0.1:4", "ftp://x"], "replace": True})
+        assert bad.status_code == 422 and bad.json()["error"]["field"] == "addresses"
+        assert len((await http.get("/status")).json()["llm_backends"]) == 2  # checked before anything changed
+        assert (await http.post("/add_llm_server", json={"model": "m"})).status_code == 422
         assert (await http.post("/clear_llm_server")).json() == {"backends": []}
         assert (await http.post("/cancel", json={"job_id": "nope"})).status_code == 404
         metrics = (await http.get("/metrics")).text
