@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
+from nemo_gym_prorl.data_export import data_command
 from nemo_gym_prorl.envs.task import TASKS_DIR, TaskConfig, TaskConfigError, load_task, task_path
 
 # In a checkout nemo_gym_prorl/conf links to the top-level conf/; a wheel carries a copy.
@@ -42,6 +43,7 @@ commands:
   serve     the rollout service over HTTP (conf/serve.yaml), e.g. prorl serve service.port=8100
   bench     benchmarks: prorl bench model | pipeline | scale | throughput | tools | sandbox
   image     sandbox images: prorl image build [--sif]  (a Debian rootfs from the host's apt sources, cached)
+  data      NeMo RL datasets: prorl data export task=math/arithmetic split=train|validation output=FILE.jsonl
 
 `prorl rollout --help` / `prorl serve --help`: config groups and options (Hydra: --cfg job, -m, --config-dir).
 Errors are one line; HYDRA_FULL_ERROR=1 shows the traceback.
@@ -238,7 +240,8 @@ def image_command(args: list[str]) -> None:
     images.main(args[1:])
 
 
-COMMANDS = {"rollout": rollout_command, "serve": serve_command, "bench": bench_command, "image": image_command}
+COMMANDS = {"rollout": rollout_command, "serve": serve_command, "bench": bench_command, "image": image_command,
+            "data": data_command}
 
 
 def error_line(error: Exception) -> tuple[str, int]:

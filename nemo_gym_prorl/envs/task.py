@@ -29,6 +29,11 @@ class TaskConfigError(ValueError):
 class DatasetConfig(BaseModel):
     path: Path = Field(description="JSONL or parquet file; relative paths are relative to the task YAML")
     id_key: str | None = Field(None, description="column holding the instance id; the row index when unset")
+    validation_path: Path | None = Field(None, description="the validation split's own file; `path` is then train")
+    validation_fraction: float = Field(
+        0.1, ge=0, lt=1, description="without validation_path: the share of `path` held out for validation, chosen "
+        "by a hash of each instance id (the same split every time, whatever the row order)",
+    )  # fmt: skip
 
 
 class TaskConfig(BaseModel):
@@ -83,8 +88,13 @@ def load_task(name: str, search_dirs: Sequence[Path] = ()) -> TaskConfig:
         first = e.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
         raise TaskConfigError(f"task file {path}: field {field!r}: {first['msg']}") from None
-    if not task.dataset.path.is_absolute():
-        task.dataset.path = (path.parent / task.dataset.path).resolve()
-    if not task.dataset.path.is_file():
-        raise TaskConfigError(f"task {task.name!r}: dataset file {task.dataset.path} does not exist")
+    for key in ("path", "validation_path"):
+        file = getattr(task.dataset, key)
+        if file is None:
+            continue
+        if not file.is_absolute():
+            file = (path.parent / file).resolve()
+            setattr(task.dataset, key, file)
+        if not file.is_file():
+            raise TaskConfigError(f"task {task.name!r}: dataset file {file} does not exist")
     return task
