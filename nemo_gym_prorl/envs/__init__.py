@@ -6,6 +6,7 @@ from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation
 from nemo_gym_prorl.envs.code import CodeEnvironment
 from nemo_gym_prorl.envs.gym_resources import GymResourcesEnvironment
 from nemo_gym_prorl.envs.math import MathEnvironment
+from nemo_gym_prorl.envs.stem import StemEnvironment
 from nemo_gym_prorl.envs.swe import SweEnvironment
 from nemo_gym_prorl.envs.task import TaskConfig
 
@@ -13,6 +14,7 @@ _TYPES: dict[str, type[Environment]] = {
     "math": MathEnvironment,
     "gym": GymResourcesEnvironment,
     "code": CodeEnvironment,
+    "stem": StemEnvironment,
     "swe": SweEnvironment,
 }
 

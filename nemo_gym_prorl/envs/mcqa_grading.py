@@ -1,0 +1,181 @@
+"""Multiple-choice grading on NeMo Gym's ``mcqa`` row schema, with the answer-reading modes Gym's servers have.
+
+A row: ``options`` as a list of one-key dicts (``[{"A": "..."}, {"B": "..."}]``, any number of them),
+``expected_answer`` (a letter), ``grading_mode`` and optionally ``template_metadata.output_regex`` (one pattern or a
+list), which is tried first: its last case-insensitive match, taken as a letter (trusted even when no option has
+it) or as an option's exact text.
+
+Modes, by how a reply's choice is read:
+- ``strict_single_letter_boxed``: the last ``\\boxed{...}`` (braces balanced; ``\\text{}`` wrappers off) holds a
+  letter alone (``B``, ``(B)``, ``[B]``) or a letter then ``:``, ``)``, ``.`` or ``-`` and the option's text.
+- ``lenient_boxed``: that, else the boxed text contains exactly one option's text (case and spacing ignored).
+- ``lenient_answer_colon``: the first ``Answer:``: a single letter, or exactly an option's text.
+- ``lenient_answer_colon_md``: the last ``Answer:`` (markdown emphasis allowed, or the row's
+  ``template_metadata.answer_prefix``): its leading letter, else its last stand-alone capital; a list of choices
+  ("A or B") reads as none. With an answer prefix, a boxed letter is the fallback.
+- ``boxed_or_answer_colon`` (Gym's gpqa_diamond): the last ``\\boxed{}`` holding one capital letter, or its last
+  stand-alone capital, else the last ``Answer: X``.
+A letter outside the options is no answer.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from typing import Any, Literal
+
+GradingMode = Literal[
+    "strict_single_letter_boxed", "lenient_boxed", "lenient_answer_colon", "lenient_answer_colon_md",
+    "boxed_or_answer_colon",
+]  # fmt: skip
+
+_TEXT_WRAPPER = re.compile(r"\\text\{\s*(.*?)\s*\}", re.DOTALL)
+_LETTER_ALONE = re.compile(r"[^A-Za-z]*([A-Z])[^A-Za-z]*")
+_LETTER_THEN_LABEL = re.compile(r"\s*([A-Z])\s*[:).\-]")
+_FIRST_ANSWER = re.compile(r"answer\s*:\s*(.+)", re.IGNORECASE)
+_MD_ANSWER = re.compile(r"[*_]{0,2}answer[*_]{0,2}\s*:[*_\s]{0,2}(.+)", re.IGNORECASE | re.MULTILINE)
+_GPQA_ANSWER = re.compile(r"[*_]{0,2}answer[*_]{0,2}\s*:[\s*_]{0,2}\s*([A-Z])(?![a-zA-Z0-9])", re.IGNORECASE)
+_STANDALONE_CAPITAL = re.compile(r"\b[A-Z]\b")
+_CHOICE_LIST = re.compile(r"\b([A-Za-z])\b(?:\s*[/|&,;]\s*|\s+(?:or|and)\s+|\s+)\b([A-Za-z])\b", re.IGNORECASE)
+
+
+def option_letters(options: list[dict[str, Any]] | None) -> dict[str, str]:
+    """{letter: option text} of the options that have text."""
+    letters: dict[str, str] = {}
+    for option in options or []:
+        for key, text in option.items():
+            if isinstance(key, str) and len(key) == 1 and key.isalpha() and text is not None:
+                letters[key.upper()] = str(text)
+    return letters
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}``, braces balanced; None when there is none or it never closes."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 1, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i]
+    return None
+
+
+def _unwrap_text(s: str) -> str:
+    while (m := _TEXT_WRAPPER.fullmatch(s)) is not None:
+        s = m.group(1)
+    return s
+
+
+def _squash(s: str) -> str:
+    return " ".join(s.lower().split())
+
+
+def _boxed_letter(text: str, letters: dict[str, str]) -> str | None:
+    inner = last_boxed(text)
+    if inner is None:
+        return None
+    inner = _unwrap_text(inner.strip())
+    m = _LETTER_ALONE.fullmatch(inner) or _LETTER_THEN_LABEL.match(inner)
+    letter = m.group(1).upper() if m else None
+    return letter if letter in letters else None
+
+
+def _boxed_option_text(text: str, letters: dict[str, str]) -> str | None:
+    inner = last_boxed(text)
+    if inner is None:
+        return None
+    candidates = {_squash(inner.strip()), _squash(_unwrap_text(inner.strip()))}
+    found = {letter for letter, option in letters.items() if _squash(option) and any(_squash(option) in c
+                                                                                     for c in candidates)}
+    return found.pop() if len(found) == 1 else None
+
+
+def _option_with_text(candidate: str, letters: dict[str, str]) -> str | None:
+    wanted = _squash(candidate)
+    return next((letter for letter, option in letters.items() if _squash(option) == wanted), None)
+
+
+def _first_answer_colon(text: str, letters: dict[str, str]) -> str | None:
+    m = _FIRST_ANSWER.search(text)
+    if m is None:
+        return None
+    candidate = _unwrap_text(m.group(1)).strip()
+    if len(candidate) == 1 and candidate.upper() in letters:
+        return candidate.upper()
+    return _option_with_text(candidate, letters)
+
+
+def _letter_in_payload(payload: str, letters: dict[str, str]) -> str | None:
+    candidate = unicodedata.normalize("NFKC", payload).strip().strip("*_` \t\r\n.,;:")
+    for m in _CHOICE_LIST.finditer(candidate):
+        if {m.group(1).upper(), m.group(2).upper()} <= letters.keys() and m.group(1).upper() != m.group(2).upper():
+            return None
+    if len(candidate) == 1:
+        letter = candidate
+    elif (lead := re.match(r"([A-Za-z])(?![A-Za-z0-9])", candidate)) is not None:
+        letter = lead.group(1)
+    else:
+        capitals = _STANDALONE_CAPITAL.findall(candidate)
+        letter = capitals[-1] if capitals else ""
+    return letter.upper() if letter.upper() in letters else None
+
+
+def _last_answer_payload(text: str, letters: dict[str, str], prefix: str | None) -> str | None:
+    text = unicodedata.normalize("NFKC", text)
+    found = [(m.start(), m.group(1)) for m in _MD_ANSWER.finditer(text)]
+    if prefix:
+        for m in re.finditer(re.escape(unicodedata.normalize("NFKC", prefix)) + r"\s*", text, re.IGNORECASE):
+            found.append((m.start(), text[m.end() :].split("\n", 1)[0]))
+    for _, payload in sorted(found, reverse=True):
+        return _letter_in_payload(payload, letters)
+    return None
+
+
+def _gpqa_letter(text: str, letters: dict[str, str]) -> str | None:
+    boxed = re.findall(r"\\boxed\{([^}]*)\}", text)
+    letter = None
+    if boxed:
+        inner = boxed[-1].strip()
+        capitals = [inner] if len(inner) == 1 and inner.isupper() else _STANDALONE_CAPITAL.findall(inner)
+        letter = capitals[-1] if capitals else None
+    if letter is None and (answers := _GPQA_ANSWER.findall(text)):
+        letter = answers[-1].upper()
+    return letter if letter is not None and (not letters or letter in letters) else None
+
+
+def _custom_regex(text: str, patterns: str | list[str], letters: dict[str, str]) -> str | None:
+    for pattern in [patterns] if isinstance(patterns, str) else patterns:
+        try:
+            matches = re.findall(pattern, text, re.IGNORECASE)
+        except re.error:
+            continue
+        if not matches:
+            continue
+        last = matches[-1] if isinstance(matches[-1], str) else matches[-1][0]
+        captured = unicodedata.normalize("NFKC", last.strip()).upper()
+        if len(captured) == 1 and captured.isalpha():
+            return captured
+        if (letter := _option_with_text(captured, letters)) is not None:
+            return letter
+    return None
+
+
+def read_choice(text: str, row: dict[str, Any], mode: GradingMode) -> str | None:
+    """The option letter a reply chose, read as `mode` (and the row's template regex) says; None for none."""
+    letters = option_letters(row.get("options"))
+    template = row.get("template_metadata") or {}
+    if "output_regex" in template and (letter := _custom_regex(text, template["output_regex"], letters)):
+        return letter
+    if mode == "strict_single_letter_boxed":
+        return _boxed_letter(text, letters)
+    if mode == "lenient_boxed":
+        return _boxed_letter(text, letters) or _boxed_option_text(text, letters)
+    if mode == "lenient_answer_colon":
+        return _first_answer_colon(text, letters)
+    if mode == "lenient_answer_colon_md":
+        prefix = template.get("answer_prefix")
+        letter = _last_answer_payload(text, letters, prefix)
+        return letter if letter is not None or not prefix else _boxed_letter(text, letters)
+    return _gpqa_letter(text, letters)

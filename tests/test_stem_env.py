@@ -1,0 +1,131 @@
+"""The stem task type: multiple choice in Gym's mcqa schema, numbers with units, symbolic answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_gym_prorl.envs import make_environment
+from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
+from nemo_gym_prorl.envs.mcqa_grading import read_choice
+from nemo_gym_prorl.envs.stem import final_answer, grade_value
+from nemo_gym_prorl.envs.task import load_task
+
+ROW = {
+    "options": [{"A": "Karyotyping"}, {"B": "Polymerase Chain Reaction (PCR)"}, {"C": "Southern blotting"},
+                {"D": "Microarray analysis"}],
+    "expected_answer": "B",
+}
+
+
+@pytest.mark.parametrize(
+    ("mode", "reply", "choice"),
+    [
+        ("strict_single_letter_boxed", "so \\boxed{B}", "B"),
+        ("strict_single_letter_boxed", "\\boxed{\\text{(B)}}", "B"),
+        ("strict_single_letter_boxed", "\\boxed{B: Polymerase Chain Reaction (PCR)}", "B"),
+        ("strict_single_letter_boxed", "\\boxed{A} at first, finally \\boxed{C}", "C"),
+        ("strict_single_letter_boxed", "\\boxed{Polymerase Chain Reaction (PCR)}", None),
+        ("strict_single_letter_boxed", "\\boxed{E}", None),  # not an option
+        ("strict_single_letter_boxed", "Answer: B", None),
+        ("lenient_boxed", "\\boxed{Polymerase Chain Reaction (PCR)}", "B"),
+        ("lenient_boxed", "\\boxed{\\text{it is southern blotting}}", "C"),
+        ("lenient_answer_colon", "Answer: B\nthen Answer: C", "B"),  # the first, as Gym reads it
+        ("lenient_answer_colon", "Answer: Microarray analysis", "D"),
+        ("lenient_answer_colon", "\\boxed{B}", None),
+        ("lenient_answer_colon_md", "Reasoning...\n**Answer:** D", "D"),
+        ("lenient_answer_colon_md", "Answer: A\nAnswer: B because PCR", "B"),
+        ("lenient_answer_colon_md", "Answer: A or B", None),
+        ("boxed_or_answer_colon", "\\boxed{C}", "C"),
+        ("boxed_or_answer_colon", "The answer is C.\nAnswer: D", "D"),
+    ],
+)
+def test_every_grading_mode_reads_the_choice(mode: str, reply: str, choice: str | None) -> None:
+    assert read_choice(reply, ROW, mode) == choice
+
+
+def test_template_regex_comes_first_and_any_number_of_options_works() -> None:
+    twelve = {"options": [{chr(65 + i): f"option {i}"} for i in range(12)], "expected_answer": "L",
+              "template_metadata": {"output_regex": "Final Choice:\\s*([A-Za-z])"}}
+    assert read_choice("\\boxed{A}\nFinal Choice: l", twelve, "strict_single_letter_boxed") == "L"
+    assert read_choice("\\boxed{K}", twelve, "strict_single_letter_boxed") == "K"
+    assert read_choice("\\boxed{M}", twelve, "strict_single_letter_boxed") is None
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected", "correct"),
+    [
+        ("\\boxed{16.67 m/s}", "16.6667 m/s", True),
+        ("\\boxed{60 km/h}", "16.6667 m/s", True),  # converted
+        ("\\boxed{16.67 kg}", "16.6667 m/s", False),  # wrong unit: math-verify would call it right
+        ("\\boxed{16.67}", "16.6667 m/s", False),  # no unit where one is expected
+        ("\\boxed{3.0\\times10^{8}\\,\\text{m/s}}", "3e8 m/s", True),
+        ("\\boxed{3 \\cdot 10^8 \\mathrm{m\\,s^{-1}}}", "3e8 m/s", True),
+        ("Answer: 6.67e-11 N m^2/kg^2", "6.674 \\times 10^{-11} \\text{N m^2 kg^{-2}}", True),
+        ("\\boxed{6.67e-11}", "6.67 \\times 10^{-11}", True),  # not 6.67, as math-verify reads it
+        ("\\boxed{25 ^\\circ C}", "298.15 K", True),
+        ("\\boxed{110 kJ}", "110000 J", True),
+        ("\\boxed{0.11 MJ}", "110 kJ", True),
+        ("\\boxed{\\frac{1}{2}}", "0.5", True),  # a unitless reply the unit parser cannot read: math-verify
+        ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", True),  # symbolic gold: math-verify
+        ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{\\sqrt{3}}{2}", False),
+    ],
+)
+def test_numeric_answers_with_units(reply: str, expected: str, correct: bool) -> None:
+    evaluation = grade_value(reply, expected, rel_tol=1e-2)
+    assert evaluation.resolved is correct, evaluation.details
+
+
+def test_wrong_unit_says_so_and_tolerance_edges_hold() -> None:
+    wrong = grade_value("\\boxed{9.8 kg}", "9.8 m/s", 1e-2)
+    assert wrong.details["reason"].startswith("wrong unit: kg")
+    assert grade_value("\\boxed{100.9 N}", "100 N", 1e-2).resolved
+    assert not grade_value("\\boxed{101.1 N}", "100 N", 1e-2).resolved
+    assert grade_value("\\boxed{99.95 N}", "100 N", 1e-3).resolved
+    assert not grade_value("\\boxed{99.8 N}", "100 N", 1e-3).resolved
+
+
+def test_final_answer_is_the_last_box_else_the_last_answer_line() -> None:
+    assert final_answer("\\boxed{1} then \\boxed{2 m}") == "2 m"
+    assert final_answer("work...\nAnswer: 5 kg") == "5 kg"
+    assert final_answer("42") == "42"
+
+
+@pytest.mark.parametrize(
+    ("task", "full", "zero", "malformed"),
+    [
+        ("stem/gym_mcqa_example", "\\boxed{{{gold}}}", "\\boxed{{Z}}", "I am not sure."),
+        ("stem/gym_gpqa_diamond_example", "Answer: {gold}", "Answer: Z", "no idea"),
+        ("stem/units", "\\boxed{{{gold}}}", "\\boxed{{{gold_wrong_unit}}}", "\\boxed{{fast}}"),
+        ("stem/algebra", "\\boxed{{{gold}}}", "\\boxed{{{gold}1}}", "\\boxed{{}}"),
+    ],
+)
+async def test_stem_verifier_fixtures(task: str, full: str, zero: str, malformed: str) -> None:
+    """NeMo Gym's verifier-fixture cases: full reward, zero, malformed answer, the same reward ten times."""
+    config = load_task(task)
+    env = make_environment(config, "bwrap")
+    instance = load_instances(config.dataset, limit=1)[0]
+    gold = instance.data.get("expected_answer") or instance.data["answer"]
+    fill = {"gold": gold, "gold_wrong_unit": str(gold).split()[0] + " kg"}
+    rewards = [(await env.grade(instance, {"answer": reply.format(**fill)})).reward for reply in (full, zero, malformed)]
+    assert rewards == [1.0, 0.0, 0.0]
+    again = {(await env.grade(instance, {"answer": full.format(**fill)})).reward for _ in range(10)}
+    assert again == {1.0}
+
+
+async def test_stem_episode_stages_the_problem() -> None:
+    env = make_environment(load_task("stem/units"), "bwrap")
+    instance = TaskInstance(instance_id="u", data={"question": "How fast?", "answer": "3 m/s"})
+    episode = await env.init(instance)
+    try:
+        assert (await episode.sandbox.read_file("problem.md")) == b"How fast?"
+        episode.answer = "\\boxed{10.8 km/h}"
+        evaluation = await env.eval(episode)
+    finally:
+        await env.close(episode)
+    assert evaluation.reward == 1.0
+
+
+async def test_a_row_without_an_answer_is_named() -> None:
+    env = make_environment(load_task("stem/algebra"), "bwrap")
+    with pytest.raises(ValueError, match="neither options"):
+        await env.grade(TaskInstance(instance_id="x", data={"question": "?"}), {"answer": "1"})
