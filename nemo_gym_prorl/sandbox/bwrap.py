@@ -45,7 +45,8 @@ go on or close. `fork(n, close=True)`, for a GRPO group whose init sandbox has n
 first and moves its workspace into the snapshot instead of copying it: one rename (or, for a disk, one bind mount),
 where a copy costs a file creation per file. The snapshot is removed with the last fork that uses it. A fork's files
 are only visible inside its own mount namespace, so its `read_file`/`write_file` go through the same helper as
-`exec()`."""
+`exec()`.
+"""
 
 from __future__ import annotations
 
