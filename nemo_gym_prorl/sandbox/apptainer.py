@@ -1,15 +1,15 @@
 """Sandbox backend on Apptainer: one persistent instance per sandbox, a PTY shell and programs exec'd into it.
 
-`start()` runs `apptainer instance start` with `--containall --no-home --writable-tmpfs` (own pid, ipc and mount
-namespaces, clean environment, a throw-away writable layer over a read-only image), `--net --network none` unless
-`spec.network` (then the host's network is shared), a host temp dir bound read-write at /workspace, the shell's
-control dir bound read-only at /.prorl, and `spec.binds`. As root, the workspace, /tmp, /var/tmp and /dev/shm are on
-a filesystem of `limits.disk_mb` of the sandbox's own (`disk.py`): full is ENOSPC, not host disk or memory. The
-instance is a daemon, not our child: a watchdog (`watchdog.py`) kills its init if we die without closing it. The
-persistent shell (`PtyShell`) and every `exec()` are `apptainer exec instance://NAME ...` into it; closing kills the
-instance's init, which takes every process of its pid namespace along, and removes the temp dirs and the instance's
-log files. A shell that exits is replaced by a new one; an instance killed from the host (its init or Apptainer's
-monitor) is not: the command that ran and every later call raise SandboxError saying so.
+`start()` runs `apptainer instance start` with `--containall --no-home --writable-tmpfs --uts` (own pid, ipc, mount
+and UTS namespaces, clean environment, a throw-away writable layer over a read-only image), `--net --network none`
+unless `spec.network` (then the host's network is shared), a host temp dir bound read-write at /workspace, the
+shell's control dir bound read-only at /.prorl, and `spec.binds`. As root, the workspace, /tmp, /var/tmp and
+/dev/shm are on a filesystem of `limits.disk_mb` of the sandbox's own (`disk.py`): full is ENOSPC, not host disk or
+memory. The instance is a daemon, not our child: a watchdog (`watchdog.py`) kills its init if we die without closing
+it. The persistent shell (`PtyShell`) and every `exec()` are `apptainer exec instance://NAME ...` into it; closing
+kills the instance's init, which takes every process of its pid namespace along, and removes the temp dirs and the
+instance's log files. A shell that exits is replaced by a new one; an instance killed from the host (its init or
+Apptainer's monitor) is not: the command that ran and every later call raise SandboxError saying so.
 
 Who runs inside: never the host's root.
 - Started as root, Apptainer runs privileged (no user namespace: as root, `--userns` maps the container's root to
@@ -374,6 +374,7 @@ class ApptainerSandbox(SandboxLifecycle):
         assert self._dir is not None and self._control is not None and self._apptainer is not None
         assert self._workspace is not None
         argv = [self._apptainer, "-q", "instance", "start", "--containall", "--no-home", "--writable-tmpfs"]
+        argv += ["--uts", "--hostname", "sandbox"]  # its own hostname, as in bwrap
         argv += [] if self.spec.network else ["--net", "--network", "none"]
         if self._as_root:
             limits = self.spec.limits
