@@ -5,8 +5,10 @@ setup:
 	@scripts/bootstrap.sh
 
 # Real rollouts: the embedded local model, a bubblewrap sandbox, the math task; summary printed at the end.
+# Results and their resolved config land in outputs/rollout/<date>/<time>/ (rollouts.jsonl, rollouts.config.yaml);
+# pass Hydra overrides through ARGS, e.g. make rollout ARGS="n_samples=4 limit=2".
 rollout: setup
-	.venv/bin/prorl rollout
+	.venv/bin/prorl rollout $(ARGS)
 
 test: setup
 	.venv/bin/python -m pytest

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from nemo_gym_prorl.data_export import data_command
 from nemo_gym_prorl.envs.task import TASKS_DIR, TaskConfig, TaskConfigError, load_task, task_path
+from nemo_gym_prorl.swe.command import swe_command
 
 # In a checkout nemo_gym_prorl/conf links to the top-level conf/; a wheel carries a copy.
 CONF_DIR = Path(str(importlib.resources.files("nemo_gym_prorl") / "conf"))
@@ -95,19 +96,17 @@ def locate_task(name: str, search_dirs: list[Path]) -> tuple[str, TaskConfig]:
     return (name if path.is_relative_to(TASKS_DIR) else str(path.resolve())), task
 
 
-def save_resolved_config(path: Path, command: str, config: BaseModel, tasks: list[TaskConfig]) -> None:
-    """What made a run, resolved: the command line, the composed config after interpolation and defaults, and each
-    task YAML as loaded (so the record holds even if the task file changes later)."""
-    overrides = " ".join(HydraConfig.get().overrides.task)
+def resolved_config(command: str, config: BaseModel, tasks: list[TaskConfig]) -> str:
+    """What made a run, resolved, as YAML: the command line, the composed config after interpolation and defaults,
+    and each task YAML as loaded (so the record holds even if the task file changes later)."""
+    hydra_config = HydraConfig.get()
     record = {
-        "command": f"prorl {command} {overrides}".strip(),
+        "command": " ".join(["prorl", command, *hydra_config.overrides.task]),
         "config": config.model_dump(mode="json"),
         "tasks": [task.model_dump(mode="json") for task in tasks],
     }
-    run_dir = HydraConfig.get().runtime.output_dir
-    header = f"# prorl {command}: the resolved configuration of a run (Hydra's record of it: {run_dir}/.hydra)\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.safe_dump(record, sort_keys=False, allow_unicode=True))
+    header = f"# the resolved configuration of a run (Hydra's record of it: {hydra_config.runtime.output_dir}/.hydra)\n"
+    return header + yaml.safe_dump(record, sort_keys=False, allow_unicode=True)
 
 
 def _in_own_folder(output: Path) -> None:
@@ -138,8 +137,7 @@ def rollout(cfg: DictConfig) -> None:
             check_gguf(config.model)
             check_port_free(config.model.host, config.model.port, "model.port")
         asyncio.run(check_sandbox_backend(config.sandbox.backend))
-    save_resolved_config(config.output.with_suffix(".config.yaml"), "rollout", config, [task])
-    report = RolloutReport(config.output, task.name)
+    report = RolloutReport(config.output, task.name, resolved_config("rollout", config, [task]))
     with report:
         asyncio.run(run_job(config, report))
     report.print_summary()
@@ -162,7 +160,7 @@ def serve(cfg: DictConfig) -> None:
         check_port_free(config.model.host, config.model.port, "model.port")
     asyncio.run(check_sandbox_backend(config.sandbox.backend))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    save_resolved_config(run_dir / "serve.config.yaml", "serve", config, [task for _, task in located])
+    (run_dir / "serve.config.yaml").write_text(resolved_config("serve", config, [task for _, task in located]))
     serve_forever(config)
 
 
@@ -241,7 +239,7 @@ def image_command(args: list[str]) -> None:
 
 
 COMMANDS = {"rollout": rollout_command, "serve": serve_command, "bench": bench_command, "image": image_command,
-            "data": data_command}
+            "swe": swe_command, "data": data_command}
 
 
 def error_line(error: Exception) -> tuple[str, int]:

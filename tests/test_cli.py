@@ -1,4 +1,6 @@
-"""`prorl` as a user runs it: a real rollout end to end, and bad input stopped at once with one clear line."""
+"""`prorl` as a user runs it (the installed entry point): a real rollout end to end; Hydra's command line (--help,
+--cfg job, -m sweeps, --config-dir with the user's own tasks, a folder per run with its resolved config); bad input
+and anything that cannot start stopped at once with one clear line."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import contextlib
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,14 +17,16 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
+from standin_helpers import running_standin
 
 from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
 
-PRORL = [sys.executable, "-m", "nemo_gym_prorl.cli"]
+PRORL = [str(Path(sys.executable).with_name("prorl"))]  # the console script pip installed
 
 
-def prorl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*PRORL, *args], capture_output=True, text=True, timeout=timeout)
+def prorl(*args: str, timeout: float = 60, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*PRORL, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def test_rollout_writes_token_faithful_trajectories_graded_by_math_verify(tmp_path: Path) -> None:
@@ -45,11 +50,115 @@ def test_rollout_writes_token_faithful_trajectories_graded_by_math_verify(tmp_pa
             "correct", "wrong answer", "unparseable answer", "no answer submitted"
         )
         assert t.timing.init > 0 and t.timing.run > 0
+    # the resolved config beside the results, and a terminal with nothing but the progress bar
+    record = yaml.safe_load((tmp_path / "rollouts.config.yaml").read_text())
+    assert record["config"]["n_samples"] == 2 and record["config"]["sampling"]["max_tokens"] == 96
+    assert record["tasks"][0]["name"] == "math/arithmetic"
+    assert all(line.startswith("rollouts:") for line in result.stderr.replace("\r", "\n").splitlines() if line)
+    assert "rollouts: 0rollout" not in result.stderr  # the bar never draws before it knows its total
     # the two samples of an instance share their first prompt (GRPO groups need that) but not their seed
     first_prompts = {t.instance_id: [] for t in trajectories}
     for t in trajectories:
         first_prompts[t.instance_id].append(t.assistant_turns()[0]["prompt_token_ids"])
     assert all(a == b for a, b in first_prompts.values())
+
+
+# The stand-in model answers every turn with the right answer to the user's task below (instant, deterministic).
+@pytest.fixture(scope="module")
+def standin_model() -> Iterator[list[str]]:
+    for url in running_standin(["\\boxed{2}"]):
+        model = ["model=remote", f"model.addresses=[{url}]", "model.served_model_name=standin"]
+        yield [*model, "model.tool_call_format=codeact", "limit=1"]
+
+
+@pytest.mark.parametrize(("command", "groups", "options"), [
+    ("rollout", {"task": "math", "model": "remote", "sandbox": "apptainer"}, ["n_samples: 1", "max_tokens: 384"]),
+    ("serve", {"model": "local", "sandbox": "bwrap", "service": "default"}, ["port: 8100", "recovery: requeue"]),
+])  # fmt: skip
+def test_help_lists_config_groups_and_options(command: str, groups: dict[str, str], options: list[str]) -> None:
+    result = prorl(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "== Configuration groups ==" in result.stdout and f"usage: prorl {command}" in result.stdout
+    listed = dict(line.split(": ", 1) for line in result.stdout.split("== Config ==")[0].splitlines() if ": " in line)
+    assert all(option in listed.get(group, "").split(", ") for group, option in groups.items()), result.stdout
+    assert all(option in result.stdout for option in options), result.stdout
+
+
+def test_cfg_job_prints_the_composed_config_and_runs_nothing(tmp_path: Path) -> None:
+    result = prorl("rollout", "--cfg", "job", "model=remote", "n_samples=3", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    assert config["n_samples"] == 3 and config["model"]["kind"] == "remote" and config["task"]["name"]
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_sweep_writes_each_run_with_its_resolved_config(standin_model: list[str], tmp_path: Path) -> None:
+    result = prorl("rollout", "-m", "seed=3,4", *standin_model, cwd=tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = sorted((tmp_path / "outputs/rollout/multirun").glob("*/*/*/rollouts.jsonl"))
+    assert len(results) == 2, result.stdout
+    for rollouts in results:
+        record = yaml.safe_load(rollouts.with_name("rollouts.config.yaml").read_text())
+        assert record["config"]["output"] == str(rollouts.resolve())  # interpolations resolved
+        seed = record["config"]["seed"]
+        assert f" seed={seed} " in f"{record['command']} " and (rollouts.parent / ".hydra/config.yaml").is_file()
+        [trajectory] = [Trajectory.model_validate_json(line) for line in rollouts.read_text().splitlines()]
+        assert trajectory.critical_error is None, trajectory.error
+    seeds = [yaml.safe_load(r.with_name("rollouts.config.yaml").read_text())["config"]["seed"] for r in results]
+    assert sorted(seeds) == [3, 4]
+
+
+def test_a_task_in_the_users_config_dir_runs(standin_model: list[str], tmp_path: Path) -> None:
+    """`--config-dir DIR`: DIR/task/mine.yaml picks the task, DIR/tasks/mine/easy.yaml is the task YAML, with data."""
+    conf = tmp_path / "my_conf"
+    (conf / "task").mkdir(parents=True)
+    (conf / "task/mine.yaml").write_text("name: mine/easy\n")
+    (conf / "tasks/mine").mkdir(parents=True)
+    (conf / "tasks/mine/easy.jsonl").write_text('{"id": "easy-0", "question": "Calculate 1 + 1.", "answer": "2"}\n')
+    (conf / "tasks/mine/easy.yaml").write_text(
+        "name: mine/easy\ntype: math\ndataset: {path: easy.jsonl, id_key: id}\nprompt_template: '{question}'\n"
+        "tools: [finish]\nmax_turns: 2\nverifier: {answer_key: answer}\n"
+    )
+    output = tmp_path / "mine.jsonl"
+    result = prorl("rollout", "--config-dir", str(conf), "task=mine", *standin_model, f"output={output}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [trajectory] = [Trajectory.model_validate_json(line) for line in output.read_text().splitlines()]
+    assert trajectory.instance_id == "easy-0" and trajectory.reward == 1.0, trajectory.evaluation
+    record = yaml.safe_load((tmp_path / "mine.config.yaml").read_text())
+    assert record["tasks"][0]["dataset"]["path"] == str((conf / "tasks/mine/easy.jsonl").resolve())
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "message"),
+    [
+        ("rollout", ["model.gguf=/no/such/file.gguf"], "model.gguf=/no/such/file.gguf is not a file"),
+        ("rollout", ["model.gguf={not_a_gguf}"], "the model server exited with code 1 before it was ready: "),
+        ("serve", ["service.port={busy_port}"], "service.port={busy_port}: port {busy_port} on 127.0.0.1 is"),
+        ("rollout", ["model.port={busy_port}"], "model.port={busy_port}: port {busy_port} on 127.0.0.1 is"),
+        ("rollout", ["sandbox.backend=docker"], "unknown sandbox backend 'docker'"),
+        ("serve", ["sandbox.backend=gym:nope"], "the gym:nope sandbox backend cannot start a sandbox: "),
+    ],
+    ids=[
+        "missing-gguf", "not-a-gguf", "service-port-busy", "model-port-busy", "unknown-backend", "unknown-gym-provider"
+    ],
+)
+def test_what_cannot_start_is_one_line_naming_it(
+    command: str, args: list[str], message: str, busy_port: int, tmp_path: Path
+) -> None:
+    (tmp_path / "junk.gguf").write_bytes(b"not a model")
+    values = {"busy_port": busy_port, "not_a_gguf": tmp_path / "junk.gguf"}
+    cheap = "service.store=:memory:" if command == "serve" else "limit=1"
+    result = prorl(command, *(a.format(**values) for a in args), cheap, cwd=tmp_path, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("prorl: error: "), result.stderr
+    assert message.format(**values) in lines[0] and ("already in use" in lines[0]) == ("busy" in str(args))
+    assert not list(tmp_path.glob("outputs/**/*.jsonl"))
 
 
 @pytest.mark.parametrize(

@@ -66,8 +66,6 @@ def in_process_service(config: RolloutJobConfig) -> ServiceConfig:
 async def run_job(config: RolloutJobConfig, sink: RolloutSink | None = None) -> list[Trajectory]:
     task = load_task(config.task.name)
     instances = load_instances(task.dataset, config.limit)
-    if sink is not None:
-        sink.expect(len(instances) * config.n_samples)
     async with AsyncExitStack() as stack:
         if config.service.url is None:
             runtime = await stack.enter_async_context(ServiceRuntime(in_process_service(config)))
@@ -75,6 +73,8 @@ async def run_job(config: RolloutJobConfig, sink: RolloutSink | None = None) -> 
             client = RolloutClient.in_process(runtime.orchestrator)
         else:
             client = await stack.enter_async_context(RolloutClient(config.service.url, config.service.token))
+        if sink is not None:  # once the service is up: a progress bar is not drawn for a run that cannot start
+            sink.expect(len(instances) * config.n_samples)
         sampling = config.sampling.model_copy(update={"seed": config.seed})
 
         async def one_instance(instance: TaskInstance) -> list[Trajectory]:

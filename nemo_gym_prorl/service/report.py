@@ -18,9 +18,12 @@ _STAGES = ("init", "run", "eval")
 
 
 class RolloutReport:
-    def __init__(self, output: Path, title: str) -> None:
+    """`config_record`, when given, is written beside `output` (`<stem>.config.yaml`) as the run's results begin."""
+
+    def __init__(self, output: Path, title: str, config_record: str | None = None) -> None:
         self.output = output
         self.title = title
+        self.config_record = config_record
         self.trajectories: list[Trajectory] = []
         self._file: IO[str] | None = None
         self._bar: tqdm | None = None
@@ -28,13 +31,16 @@ class RolloutReport:
         self.wall_s = 0.0
 
     def __enter__(self) -> RolloutReport:
-        self.output.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.output.open("w")
         self._started = time.perf_counter()
         return self
 
     def expect(self, total: int) -> None:
-        """The bar starts once the total is known: started earlier, it would first draw a line without one."""
+        """The rollouts begin: only now are the files written and the bar drawn (with its total), so a run that
+        cannot start leaves neither an empty output nor a bar on the terminal."""
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        if self.config_record is not None:
+            self.output.with_suffix(".config.yaml").write_text(self.config_record)
+        self._file = self.output.open("w")
         self._bar = tqdm(total=total, desc="rollouts", unit="rollout", dynamic_ncols=True)
 
     def add(self, trajectory: Trajectory) -> None:
