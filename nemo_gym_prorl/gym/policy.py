@@ -32,13 +32,11 @@ class PolicyBackends(BaseModel):
 
 def policy_backends(global_config: Mapping[str, Any] | DictConfig, replace: bool = True) -> PolicyBackends | None:
     """The policy's servers named in Gym's global config; None when it names none (Gym run without a trainer)."""
-    if isinstance(global_config, DictConfig):
-        global_config = OmegaConf.to_container(global_config, resolve=True)  # type: ignore[assignment]
     urls = global_config.get(BASE_URL_KEY)
     if not urls:
         return None
     if isinstance(urls, ListConfig):
-        urls = list(urls)
+        urls = OmegaConf.to_container(urls, resolve=True)
     addresses = [urls] if isinstance(urls, str) else [str(u) for u in urls if u]
     model = global_config.get(MODEL_NAME_KEY)
     if not model:

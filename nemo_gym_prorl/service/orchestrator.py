@@ -27,7 +27,7 @@ from nemo_gym_prorl.service.llm_client import GenerationMode, turn_generator
 from nemo_gym_prorl.service.llm_pool import LLMPool
 from nemo_gym_prorl.service.pipeline import Rollout, RolloutPipeline, Stage
 from nemo_gym_prorl.service.store import JobState, JobStore, RecoveryPolicy, StoredJob
-from nemo_gym_prorl.service.trajectory import Trajectory
+from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory
 from nemo_gym_prorl.tool_calls import ToolCallFormatName, tool_call_format
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
@@ -216,16 +216,9 @@ class Orchestrator:
             return trajectory.model_copy(update={"error": error})
         finally:
             self.pool.release(trajectory_id)
-        assistant = {
-            "role": "assistant",
-            "content": turn.text,
-            "prompt_token_ids": turn.prompt_token_ids,
-            "generation_token_ids": turn.generation_token_ids,
-            "generation_log_probs": turn.generation_log_probs,
-            "finish_reason": turn.finish_reason,
-            "mask": True,
-            "first_turn_only": f"the rollout ended before its first turn ({trajectory.critical_error})",
-        }
+        assistant = {"role": "assistant", "content": turn.text, **turn.model_dump(include=set(TOKEN_FIELDS))}
+        assistant["finish_reason"], assistant["mask"] = turn.finish_reason, True
+        assistant["first_turn_only"] = f"the rollout ended before its first turn ({trajectory.critical_error})"
         return trajectory.model_copy(update={"messages": [*outcome.messages, assistant], "tools": outcome.tools})
 
     def _record(self, job_id: str, sample: int, trajectory: Trajectory) -> None:
