@@ -52,17 +52,38 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 
-fingerprint=$(cat setup.cfg pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+fingerprint=$(cat setup.cfg pyproject.toml scripts/bootstrap.sh scripts/llama_cpp_library_only.cmake | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$fingerprint" ]; then
   exit 0
 fi
 
 echo "bootstrap: installing nemo-gym-prorl and its dependencies into $VENV (first run: a few minutes)"
 "$VENV/bin/python" -m pip install -q --upgrade pip
+
+# llama-cpp-python has no binary wheel: compile llama.cpp once, only what the bindings load (libllama and ggml: no
+# multimodal library, no llama-common, no tests, tools or servers; scripts/llama_cpp_library_only.cmake), for any
+# x86-64 CPU (the native build can crash on this one), on every core. pip's wheel cache ignores CMAKE_ARGS, so the
+# wheel is built without it into build/llama-cpp-wheels/<key of version and flags>, and installed from there.
+LLAMA_CPP_PYTHON=llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$PWD/scripts/llama_cpp_library_only.cmake"
+llama_key=$(printf '%s %s\n' "$LLAMA_CPP_PYTHON" "${LLAMA_CMAKE_ARGS//$PWD\//}" \
+  | cat - scripts/llama_cpp_library_only.cmake | sha256sum | cut -c1-16)
+llama_wheels=build/llama-cpp-wheels/$llama_key
+if ! compgen -G "$llama_wheels/llama_cpp_python-*.whl" >/dev/null; then
+  echo "bootstrap: compiling llama.cpp for $LLAMA_CPP_PYTHON (once; ~2 min on 2 cores)"
+  staging=$(mktemp -d)
+  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+    "$VENV/bin/python" -m pip wheel -q --no-deps --no-cache-dir -w "$staging" "$LLAMA_CPP_PYTHON"
+  mkdir -p "$llama_wheels" && mv "$staging"/llama_cpp_python-*.whl "$llama_wheels"/ && rm -rf "$staging"
+fi
+if [ "$(cat "$VENV/.llama-cpp-build" 2>/dev/null)" != "$llama_key" ]; then
+  # replaces a llama-cpp-python of the same version built otherwise; its dependencies come with the package below
+  "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps "$llama_wheels"/llama_cpp_python-*.whl
+  echo "$llama_key" > "$VENV/.llama-cpp-build"
+fi
+
 # nemo-gym declares Python >= 3.13.14, newer than any interpreter here; it runs on 3.13.0 (DESIGN.md §3).
-# llama.cpp's native build can crash on this CPU; build for generic x86-64 and skip the multimodal library.
-CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" \
-  "$VENV/bin/python" -m pip install -q --ignore-requires-python -e '.[test]'
+"$VENV/bin/python" -m pip install -q --ignore-requires-python -e '.[test]'
 echo "$fingerprint" > "$STAMP"
 echo "bootstrap: done"
 
