@@ -21,6 +21,8 @@ DEFAULT_VENVS_DIR = ".venv/gym-venvs"  # relative to the repo root, as in env.ya
 # Every server our configs start: ours and the Gym servers they wire it to.
 SERVERS = (
     "resources_servers/prorl_math",
+    "resources_servers/prorl_code",
+    "resources_servers/prorl_stem",
     "resources_servers/prorl_bench",
     "responses_api_agents/prorl_service",
     "responses_api_agents/prorl_agent",
