@@ -34,7 +34,8 @@ USAGE = """usage: prorl data export task=TASK split=train|validation output=FILE
 Writes a task's instances as NeMo Gym rows for NeMo RL's GRPO (data.train / data.validation: data_path, with
 dataset_name NemoGymDataset and processor nemo_gym_data_processor; conf/grpo/ recipes name them).
 
-  task=              a task under tasks/ (math/arithmetic) or a task YAML's path
+  task=              a task under tasks/ (math/arithmetic) or a task YAML's path; several, comma-separated
+                     (stem/algebra,stem/units): the rows of each in turn, each naming its own prorl_task
   split=             train | validation: the task YAML's dataset.validation_path, or else dataset.validation_fraction
                      of dataset.path held out by a hash of each instance id (the same split on every export)
   output=            the JSONL file to write
@@ -106,16 +107,20 @@ def split_instances(task: TaskConfig, split: Split) -> list[TaskInstance]:
 
 
 def nemo_rl_rows(request: ExportRequest) -> list[dict[str, Any]]:
+    rows = [row for name in request.task.split(",") for row in _task_rows(name.strip(), request)]
+    return rows[: request.limit]
+
+
+def _task_rows(task_name: str, request: ExportRequest) -> list[dict[str, Any]]:
     from nemo_gym_prorl.envs import make_environment
     from nemo_gym_prorl.envs.task import load_task
     from nemo_gym_prorl.gym.rows import INSTANCE_ID, gym_row
 
-    task = load_task(request.task)
+    task = load_task(task_name)
     env = make_environment(task, sandbox_backend="bwrap")  # only renders prompts: starts no sandbox
     tool_call_format = task.tool_call_format or request.tool_call_format
-    instances = split_instances(task, request.split)[: request.limit]
     rows = []
-    for instance in instances:
+    for instance in split_instances(task, request.split)[: request.limit]:
         if TASK_KEY in instance.data:
             raise ExportUsageError(f"instance {instance.instance_id}: the dataset has a {TASK_KEY!r} column, "
                                    "which the rows use to name their task")  # fmt: skip

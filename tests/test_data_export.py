@@ -77,6 +77,12 @@ def test_codeact_rows_carry_no_tool_schemas_and_the_relay_agent_can_be_named() -
     assert all(r["agent_ref"]["name"] == "prorl_service_agent" for r in rows)
 
 
+def test_several_tasks_export_into_one_file_each_row_naming_its_task() -> None:
+    rows = _rows("stem/algebra,stem/units", "validation")
+    assert {r["prorl_task"] for r in rows} == {"stem/algebra", "stem/units"}
+    assert rows == _rows("stem/algebra", "validation") + _rows("stem/units", "validation")
+
+
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(ExportUsageError, match="split='test'"):
         parse_export_args(["task=math/arithmetic", "split=test", "output=x.jsonl"])

@@ -55,6 +55,8 @@ RECIPES = {  # recipe: (task type, async, agent)
     "math_async": ("math", True, "prorl_agent"),
     "code": ("code", False, "prorl_agent"),
     "code_async": ("code", True, "prorl_agent"),
+    "stem": ("stem", False, "prorl_agent"),
+    "stem_async": ("stem", True, "prorl_agent"),
     "swe": ("swe", False, "prorl_service_agent"),
     "swe_async": ("swe", True, "prorl_service_agent"),
 }
@@ -159,14 +161,14 @@ def test_recipe_hands_every_rollout_to_our_gym_agent(name: str, compose) -> None
         assert grpo_async["max_trajectory_age_steps"] == 1
 
 
-@pytest.mark.parametrize("name", ["math", "code"])
-def test_single_node_recipes_start_the_service_in_gym_with_a_task_of_their_type(name: str, compose) -> None:
+@pytest.mark.parametrize("name", ["math", "code", "stem"])
+def test_single_node_recipes_start_the_service_in_gym_with_tasks_of_their_type(name: str, compose) -> None:
     config = compose(name)
     assert config["cluster"] == {"gpus_per_node": 1, "num_nodes": 1}
     assert compose(f"{name}_async")["cluster"] == {"gpus_per_node": 2, "num_nodes": 1}
     service = config["env"]["nemo_gym"]["prorl_agent"]["responses_api_agents"]["prorl_agent"]["rollout_service"]
-    [task] = service["service"]["tasks"]
-    assert load_task(task).type == name
+    tasks = service["service"]["tasks"]
+    assert tasks and all(load_task(task).type == name for task in tasks)
 
 
 def test_the_swe_recipe_is_multi_node_with_rollouts_on_prorl_serve(compose) -> None:

@@ -74,9 +74,9 @@ def test_the_swe_recipe_relays_to_the_service_url_given(tmp_path: Path) -> None:
 
 def test_launch_names_what_is_missing_or_unknown(tmp_path: Path) -> None:
     no_recipe = _launch(["--nemo-rl-dir", str(tmp_path)], {})
-    assert no_recipe.returncode == 2 and "one of code code_async math math_async swe swe_async" in no_recipe.stderr
-    unknown = _launch(["--recipe", "stem", "--nemo-rl-dir", str(tmp_path)], {})
-    assert unknown.returncode == 2 and "unknown recipe 'stem'" in unknown.stderr
+    assert no_recipe.returncode == 2 and "one of code code_async math math_async stem stem_async swe swe_async" in no_recipe.stderr
+    unknown = _launch(["--recipe", "one_gpu", "--nemo-rl-dir", str(tmp_path)], {})  # a shape, not a recipe
+    assert unknown.returncode == 2 and "unknown recipe 'one_gpu'" in unknown.stderr
     no_nemo_rl = _launch(["--recipe", "math"], {})
     assert no_nemo_rl.returncode == 2 and "--nemo-rl-dir" in no_nemo_rl.stderr
 

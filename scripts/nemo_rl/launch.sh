@@ -15,7 +15,7 @@
 #   scripts/nemo_rl/launch.sh --recipe math --nemo-rl-dir ~/RL --dry-run -- ++grpo.max_num_steps=5
 #
 # Options (environment variables of the same meaning in brackets):
-#   --recipe NAME          a recipe under conf/grpo/ (math, math_async, code, code_async, swe, swe_async)
+#   --recipe NAME          a recipe under conf/grpo/ (math, code, stem, swe; each also NAME_async)
 #   --nemo-rl-dir DIR      NeMo RL's checkout [NEMO_RL_DIR]
 #   --data-dir DIR         where the rows go [PRORL_DATA_DIR; default <this checkout>/results/nemo_rl_data]
 #   --service-url URL      the relay's `prorl serve` (swe recipes: rollouts on the rollout nodes)
@@ -51,8 +51,9 @@ done
 OVERRIDES=("$@")
 
 # Each task type: its task and the agent that runs its rows; its recipes: conf/grpo/<type>.yaml, <type>_async.yaml.
-declare -A TASKS=([math]=math/arithmetic [code]=code/humaneval [swe]=swe/offline)
-declare -A AGENTS=([math]=prorl_agent [code]=prorl_agent [swe]=prorl_service_agent)
+declare -A TASKS=([math]=math/arithmetic [code]=code/humaneval [swe]=swe/offline
+                  [stem]=stem/algebra,stem/decimals,stem/geometry,stem/units)
+declare -A AGENTS=([math]=prorl_agent [code]=prorl_agent [stem]=prorl_agent [swe]=prorl_service_agent)
 recipes=""
 for type in $(printf '%s\n' "${!TASKS[@]}" | sort); do
   for name in "$type" "${type}_async"; do [[ -f "$PRORL_ROOT/conf/grpo/$name.yaml" ]] && recipes+="$name "; done
