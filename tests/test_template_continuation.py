@@ -318,6 +318,22 @@ def test_qwen3_think_blocks_and_tool_calls_over_three_turns_render_as_the_templa
     assert both in text
 
 
+def test_a_generation_prompt_that_opens_the_think_block_qwen3_thinking_2507(tokenizer: Tokenizer) -> None:
+    """Qwen3-*-Thinking-2507 prompts with '<think>\\n' already open; the model writes the rest of the block."""
+    thinking = QWEN3.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    assert thinking != QWEN3
+    rollout = Rollout(tokenizer.with_chat_template(thinking), "<|im_end|>")
+    rollout.generate('Use python.\n</think>\n\n<tool_call>\n{"name": "python", "arguments": {"code": "1"}}\n</tool_call>',
+                     [_call("python", {"code": "1"}, 1)])  # fmt: skip
+    rollout.messages.append(_tool(1, "1"))
+    rollout.generate('More.\n</think>\n\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>',
+                     [_call("bash", {"command": "ls"}, 2)])  # fmt: skip
+    rollout.messages.append(_tool(2, "a"))
+    written = [m if m["role"] != "assistant" else {"role": "assistant", "content": "<think>\n" + m["content"]}
+               for m in rollout.messages]  # fmt: skip
+    assert rollout.prompt_text() == rollout.tokenizer.chat_template.render(written, TOOLS, add_generation_prompt=True)
+
+
 def test_llama31_json_tool_calls_and_ipython_results_render_as_the_template_renders_them(tokenizer: Tokenizer) -> None:
     llama = tokenizer.with_chat_template(LLAMA31)
     assert llama.chat_template.bos_token == "<|im_start|>"  # SmolLM2's; the comparison below is on text
