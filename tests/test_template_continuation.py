@@ -323,8 +323,8 @@ def test_a_generation_prompt_that_opens_the_think_block_qwen3_thinking_2507(toke
     thinking = QWEN3.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
     assert thinking != QWEN3
     rollout = Rollout(tokenizer.with_chat_template(thinking), "<|im_end|>")
-    rollout.generate('Use python.\n</think>\n\n<tool_call>\n{"name": "python", "arguments": {"code": "1"}}\n</tool_call>',
-                     [_call("python", {"code": "1"}, 1)])  # fmt: skip
+    rollout.generate('Use python.\n</think>\n\n<tool_call>\n{"name": "python", "arguments": {"code": "1"}}\n'
+                     "</tool_call>", [_call("python", {"code": "1"}, 1)])  # fmt: skip
     rollout.messages.append(_tool(1, "1"))
     rollout.generate('More.\n</think>\n\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>',
                      [_call("bash", {"command": "ls"}, 2)])  # fmt: skip
@@ -403,7 +403,7 @@ def test_a_template_that_moves_earlier_text_as_turns_come_fails_loudly(tokenizer
 
 
 # Short prompts keep the real model's prompt evaluation cheap on a CPU.
-SMALL_TOOLS = [{"type": "function", "function": {"name": "sh", "description": "Run.", "parameters": {"type": "object"}}}]  # fmt: skip
+SMALL_TOOLS = [{"type": "function", "function": {"name": "sh", "description": "Run.", "parameters": {}}}]
 TEMPLATES = {"qwen3": (QWEN3, "<|im_end|>"), "llama3.1": (LLAMA31, "<|eot_id|>"), "smollm2": (SMOLLM2, "<|im_end|>")}
 
 
