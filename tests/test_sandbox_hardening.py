@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -62,17 +62,22 @@ async def sandbox_of(request: pytest.FixtureRequest, backend: str, **limits: Any
 
 
 @pytest.fixture(autouse=True)
-def host_temp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+async def host_temp(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Path]:
     """Every sandbox's host temp dir under a root of this test's own, checked to hold nothing afterwards: no temp dir,
-    no mount, no loop device on a sandbox's disk image."""
+    no mount, and (once the kernel has let go of them, which a closed sandbox leaves to a thread) no loop device on
+    a sandbox's disk image."""
     with reachable_temp_dir() as root:
         monkeypatch.setattr(tempfile, "tempdir", str(root))
         yield root
         assert sorted(p.name for p in root.iterdir()) == []
         assert [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(root) in line] == []
-        loops = subprocess.run(["losetup", "--list", "--noheadings", "--output", "BACK-FILE"], capture_output=True,
-                               text=True, check=True).stdout  # fmt: skip
-        assert [line for line in loops.splitlines() if str(root) in line] == []
+        await wait_until(lambda: not loop_devices_under(root))
+
+
+def loop_devices_under(root: Path) -> list[str]:
+    listing = subprocess.run(["losetup", "--list", "--noheadings", "--output", "BACK-FILE"], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    return [line for line in listing.splitlines() if str(root) in line]
 
 
 @pytest.fixture(params=FILE_IO)

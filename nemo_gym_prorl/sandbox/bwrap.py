@@ -523,8 +523,8 @@ class BwrapSandbox(SandboxLifecycle):
                 if killed and self._hand_over_to is not None and self._root is not None:  # nothing inside runs now
                     await asyncio.to_thread(self._hand_over, self._hand_over_to)
             finally:
-                if self._disk is not None:
-                    await asyncio.to_thread(self._disk.unmount)
+                if self._disk is not None:  # a disk handed over to forks stays intact: they read it
+                    await asyncio.to_thread(functools.partial(self._disk.unmount, discard=not self._handed_over))
                 if self._root is not None and self._root.exists():
                     await asyncio.to_thread(remove_tree, self._root)
                 if self._snapshot is not None and self._started and self._snapshot.release():
@@ -621,6 +621,7 @@ class _Snapshot:
 
     def remove(self) -> None:
         if self.holds_mount:
+            disk.shut_down(self.path)
             disk.unmount_under(self.path)
             self.holds_mount = False
         if self.root.exists():

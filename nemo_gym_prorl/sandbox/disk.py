@@ -14,9 +14,9 @@ from a service); a loop-mounted image costs a few milliseconds at start and at c
 needs root. Without root (`available()` is False) sandboxes get no total, only the per-file limit.
 
 The mount lives in the host's mount namespace while the sandbox runs (the sandboxes bind it, and host-side file I/O
-uses it); `unmount()` detaches it and the loop device goes with it. A process that dies without closing its
-sandboxes leaves the mount: `unmount_under()` removes every mount below a dead sandbox's temp dir before the orphan
-sweep removes the dir.
+uses it); `unmount()` shuts it down (nothing written back: the image is removed next) and detaches it, and the loop
+device goes with it. A process that dies without closing its sandboxes leaves the mount: `unmount_under()` removes
+every mount below a dead sandbox's temp dir before the orphan sweep removes the dir.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from nemo_gym_prorl.sandbox.base import SandboxError
@@ -38,9 +39,10 @@ _IMAGE = "disk.img"
 _MNT_DETACH = 2
 _MS_NOSUID, _MS_NODEV, _MS_BIND = 2, 4, 4096
 _MKFS_OPTIONS = ["-q", "-F", "-O", "^has_journal", "-m", "0"]
-_MOUNT_OPTIONS = b"noinit_itable,discard"
+_MOUNT_OPTIONS = b"noinit_itable,discard,nobarrier"
 _LOOP_CTL_GET_FREE, _LOOP_CONFIGURE, _LO_FLAGS_AUTOCLEAR = 0x4C82, 0x4C0A, 4
 _LOOP_INFO64 = "=5Q4I64s64s32s2Q"  # struct loop_info64
+_EXT4_IOC_SHUTDOWN, _EXT4_GOING_FLAGS_NOLOGFLUSH = 0x8004587D, 2
 
 
 @functools.cache
@@ -56,6 +58,8 @@ class SandboxDisk:
         self.image = image
         self.mount_point = mount_point
         self.mounted = False
+        self._image_fd: int | None = None
+        self._root_fd: int | None = None
 
     @classmethod
     def create(cls, directory: Path, mount_point: Path, size_mb: int, owner_uid: int | None) -> SandboxDisk:
@@ -69,26 +73,66 @@ class SandboxDisk:
             for offset, data in _formatted(size_mb, owner):
                 os.pwrite(fd, data, offset)
             loop = _attach_loop(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        finally:
+            # Nameless from now on: the image lives while the loop device or `fd` holds it, and a process that dies
+            # without unmounting leaves no image behind once the orphan sweep has unmounted it.
+            disk.image.unlink()
+        disk._image_fd = fd
         try:  # the loop device detaches itself once neither its fd nor a mount holds it (autoclear)
             _mount(f"/dev/loop{loop[1]}", mount_point)
+        except BaseException:
+            disk._release_image()
+            raise
         finally:
             os.close(loop[0])
         disk.mounted = True
         try:
+            disk._root_fd = os.open(mount_point, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             os.rmdir(mount_point / "lost+found")  # e2fsck's, useless here; an empty root is what a sandbox expects
         except BaseException:
             disk.unmount()
             raise
         return disk
 
-    def unmount(self) -> None:
+    def unmount(self, *, discard: bool = True) -> None:
         """Detach the filesystem (lazily: a process still holding a file in it keeps it alive, not the mount point);
-        its loop device is released with it. Idempotent."""
+        its loop device is released with it. `discard`: its content is thrown away, not written back first (see
+        `shut_down`). Idempotent."""
         if self.mounted:
+            if discard:
+                shut_down(self.mount_point)
             _umount(self.mount_point)
             self.mounted = False
+        self._release_image()
+
+    def _release_image(self) -> None:
+        """Let go of the detached filesystem and its (nameless) image. The last references are the fds held here:
+        closing them tears the filesystem and its loop device down (~10-20 ms) and frees the image's blocks on the
+        host's filesystem (~50 ms), so a thread of its own closes them, and closing a sandbox does not wait. The mount
+        point is free at once."""
+        fds = [fd for fd in (self._root_fd, self._image_fd) if fd is not None]
+        self._root_fd = self._image_fd = None
+        if fds:
+            threading.Thread(target=_close_all, args=(fds,), name="prorl-disk-release", daemon=True).start()
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def shut_down(path: Path) -> None:
+    """Shut the ext4 filesystem at `path` down without flushing anything (EXT4_IOC_SHUTDOWN, NOLOGFLUSH): every later
+    access fails, and unmounting it no longer writes dirty pages back into the image that is about to be removed
+    (measured here: an unmount in ~8 ms instead of 25-50 ms)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, _EXT4_IOC_SHUTDOWN, struct.pack("I", _EXT4_GOING_FLAGS_NOLOGFLUSH))
+    finally:
+        os.close(fd)
 
 
 @functools.cache
