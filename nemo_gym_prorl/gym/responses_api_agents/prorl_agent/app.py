@@ -46,6 +46,11 @@ class ProrlAgent(RolloutAgent):
     async def _service_lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         """The service runs while the server does; on shutdown every rollout is stopped and its sandbox closed."""
         config = self.config.rollout_service
+        if self._policy.backends is None and config.model.kind == "remote" and not config.model.addresses:
+            raise ValueError(
+                f"{self.config.name}: no model to roll out with: Gym's global config names no policy_base_url (NeMo "
+                "RL writes it; `gym env start` takes --model-url) and rollout_service.model.addresses is empty"
+            )
         with tempfile.TemporaryDirectory(prefix="prorl-agent-") as scratch:
             if "store" not in config.service.model_fields_set:
                 config = config.model_copy(deep=True)
