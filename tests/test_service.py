@@ -122,6 +122,7 @@ async def test_gym_run_returns_a_verify_response_nemo_rl_can_train_on(instant_mo
         **ROW,
         "_rowidx": 7,
         "_ng_task_index": 3,
+        "instance_config": {"seed": 3},  # a row's own, kept beside the mask
     }
     async with service(instant_model, tmp_path) as svc, httpx.AsyncClient(base_url=svc.url, timeout=60) as http:
         first = (await http.post("/run", json=row)).json()
@@ -129,6 +130,10 @@ async def test_gym_run_returns_a_verify_response_nemo_rl_can_train_on(instant_mo
     assert again.status_code == 200
     verified = BaseVerifyResponse.model_validate(first)
     assert verified.reward == 1.0 and not verified.mask_sample and first["_rowidx"] == 7
+    assert first["instance_config"] == {"seed": 3, "mask_sample": False}  # where NeMo RL reads the mask
+    # top-level numbers, each one a NeMo RL metric
+    assert (first["num_turns"], first["num_tool_calls"], first["num_format_errors"]) == (2, 1, 0)
+    assert first["run_time_s"] > 0 and first["init_time_s"] > 0 and first["eval_time_s"] > 0
     items = first["response"]["output"]
     assert [item["type"] for item in items] == ["message", "function_call", "function_call_output", "message"]
     trained = [item for item in items if "generation_token_ids" in item]

@@ -96,8 +96,10 @@ def gym_verify_response(row: GymRunRequest, trajectory: Trajectory, model: str) 
     }
     BaseVerifyResponse.model_validate(body)  # the shape Gym and NeMo RL read; fails loudly here, not there
     timing = trajectory.timing
+    row_config = body.get("instance_config")
     return body | {
-        "instance_config": {"mask_sample": masked},  # where NeMo RL reads the mask
+        # where NeMo RL reads the mask (beside what a row's own instance_config carries)
+        "instance_config": {**(row_config if isinstance(row_config, dict) else {}), "mask_sample": masked},
         "resolved": trajectory.resolved,
         "finish": trajectory.finish,
         "critical_error": trajectory.critical_error,
