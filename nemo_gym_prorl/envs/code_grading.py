@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from nemo_gym_prorl.envs.base import Evaluation
-from nemo_gym_prorl.envs.code_tests import CodeProblem, output_mismatch, value_mismatch
+from nemo_gym_prorl.envs.code_tests import CodeProblem, output_lines, output_mismatch, value_mismatch
 from nemo_gym_prorl.sandbox import SandboxLimits, SandboxSpec, open_sandbox
 
 RUNNER = Path(__file__).with_name("sandbox_test_runner.py")
@@ -114,6 +114,7 @@ async def run_in_sandbox(
             "fn_name": problem.fn_name,
             "test": problem.test,
             "entry_point": problem.entry_point,
+            "line_counts": [len(output_lines(out)) for out in problem.outputs] if problem.kind == "stdin" else [],
         }
         for i, (problem, code) in enumerate(submissions)
     ]

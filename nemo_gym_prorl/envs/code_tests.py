@@ -95,7 +95,8 @@ def final_code_block(text: str) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ judging output
-def _lines(text: str) -> list[str]:
+def output_lines(text: str) -> list[str]:
+    """An output as the rules compare it: stripped, split into lines, each line stripped."""
     return [line.strip() for line in text.strip().split("\n")]
 
 
@@ -124,10 +125,10 @@ def _numbers_agree(expected: str, got: str) -> bool:
 
 def output_mismatch(expected: str, got: str) -> str | None:
     """None when `got` is an accepted stdout for `expected`; otherwise why not, briefly."""
-    expected_lines, got_lines = _lines(expected), _lines(got)
-    if len(expected_lines) != len(got_lines):
-        return f"{len(got_lines)} output lines, expected {len(expected_lines)}"
-    for i, (e_line, g_line) in enumerate(zip(expected_lines, got_lines)):
+    want, got_lines = output_lines(expected), output_lines(got)
+    if len(want) != len(got_lines):
+        return f"{len(got_lines)} output lines, expected {len(want)}"
+    for i, (e_line, g_line) in enumerate(zip(want, got_lines)):
         if e_line == g_line:
             continue
         if g_line.lower() in ("yes", "no") and g_line.lower() == e_line.lower():

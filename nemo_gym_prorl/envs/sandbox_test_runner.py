@@ -13,12 +13,14 @@ only then, one JSON line per problem, so no test process is alive to tamper with
 the runner leaves the lines of the problems before it (see `code_grading` for what the grader then trusts).
 
 Expected outputs never enter the sandbox: a stdin/stdout test's output and a call-based test's return value
-(as JSON) come back raw, and the grader compares them outside. HumanEval-style tests are assertions, so they
+(as JSON) come back raw, and the grader compares them outside. Only the line count of each expected stdout comes
+in (``line_counts``), so that a run stops at the first output of the wrong length (always a wrong answer) rather
+than running every test; it tells a program nothing it could print. HumanEval-style tests are assertions, so they
 run here with the candidate; a test passes only when ``check`` returned and the child then wrote a per-test
 token to a pipe, so an early ``sys.exit(0)`` or ``os._exit(0)`` in the candidate is a failure, not a pass.
 
 Job: {"problems": [{"id", "kind": "stdin" | "call" | "humaneval", "program", "inputs": [...], "fn_name",
-"test", "entry_point"}], "timeout_s", "output_cap_bytes", "prelude", "stop_on_failure"}.
+"test", "entry_point", "line_counts"}], "timeout_s", "output_cap_bytes", "prelude", "stop_on_failure"}.
 Result per test: {"status": "ok" | "timeout" | "runtime_error" | "output_limit" | "killed", "output",
 "return_json", "stderr", "exit_code", "signal", "time_s"}.
 """
@@ -244,10 +246,14 @@ def _run_problem(problem: dict, job: dict, root: str) -> list:
     os.mkdir(workdir, 0o700)
     results = []
     try:
-        for test_input in problem.get("inputs") or [""]:
+        line_counts = problem.get("line_counts") or []
+        for i, test_input in enumerate(problem.get("inputs") or [""]):
             result = _run_test(problem, test_input, workdir, job)
             results.append(result)
-            if result["status"] != "ok" and job.get("stop_on_failure", True):
+            if job.get("stop_on_failure", True) and (
+                result["status"] != "ok"
+                or (i < len(line_counts) and len(result["output"].strip().split("\n")) != line_counts[i])
+            ):
                 break
     finally:
         _kill_everything_else()
