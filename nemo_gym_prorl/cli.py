@@ -126,7 +126,7 @@ def rollout(cfg: DictConfig) -> None:
     from nemo_gym_prorl.models.llama_log import route_llama_logs
     from nemo_gym_prorl.service.job import RolloutJobConfig, run_job
     from nemo_gym_prorl.service.report import RolloutReport
-    from nemo_gym_prorl.startup import check_port_free, check_sandbox_backend
+    from nemo_gym_prorl.startup import check_gym_servers, check_port_free, check_sandbox_backend
 
     config = _validated(RolloutJobConfig, cfg)
     config.task.name, task = locate_task(config.task.name, user_task_dirs())
@@ -137,6 +137,7 @@ def rollout(cfg: DictConfig) -> None:
             check_gguf(config.model)
             check_port_free(config.model.host, config.model.port, "model.port")
         asyncio.run(check_sandbox_backend(config.sandbox.backend))
+        check_gym_servers([task])
     report = RolloutReport(config.output, task.name, resolved_config("rollout", config, [task]))
     with report:
         asyncio.run(run_job(config, report))
@@ -148,7 +149,7 @@ def serve(cfg: DictConfig) -> None:
     from nemo_gym_prorl.models.llama_log import route_llama_logs
     from nemo_gym_prorl.service.runtime import ServiceConfig
     from nemo_gym_prorl.service.serve import serve as serve_forever
-    from nemo_gym_prorl.startup import check_port_free, check_sandbox_backend
+    from nemo_gym_prorl.startup import check_gym_servers, check_port_free, check_sandbox_backend
 
     config = _validated(ServiceConfig, cfg)
     located = [locate_task(name, user_task_dirs()) for name in config.service.tasks]
@@ -159,6 +160,7 @@ def serve(cfg: DictConfig) -> None:
         check_gguf(config.model)
         check_port_free(config.model.host, config.model.port, "model.port")
     asyncio.run(check_sandbox_backend(config.sandbox.backend))
+    check_gym_servers([task for _, task in located])
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     (run_dir / "serve.config.yaml").write_text(resolved_config("serve", config, [task for _, task in located]))
     serve_forever(config)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import errno
 import socket
 
+import httpx
+
+from nemo_gym_prorl.envs.task import TaskConfig
 from nemo_gym_prorl.sandbox import SandboxSpec, backends, open_sandbox
 
 
@@ -44,3 +47,17 @@ def check_port_free(host: str, port: int, setting: str) -> None:
                 f"or choose another {setting}"
             ) from None
         raise StartupError(f"{setting}={port}: cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def check_gym_servers(tasks: list[TaskConfig], timeout_s: float = 10.0) -> None:
+    """Each task's NeMo Gym resources server answers HTTP (with any status: it is up)."""
+    for task in tasks:
+        if task.resources_server_url is None:
+            continue
+        try:
+            httpx.get(task.resources_server_url, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise StartupError(
+                f"task {task.name!r}: its NeMo Gym resources server {task.resources_server_url} does not answer "
+                f"({type(e).__name__}): start it (gym env start ...) or fix resources_server_url in the task file"
+            ) from None

@@ -143,16 +143,25 @@ def busy_port() -> Iterator[int]:
         ("rollout", ["model.port={busy_port}"], "model.port={busy_port}: port {busy_port} on 127.0.0.1 is"),
         ("rollout", ["sandbox.backend=docker"], "unknown sandbox backend 'docker'"),
         ("serve", ["sandbox.backend=gym:nope"], "the gym:nope sandbox backend cannot start a sandbox: "),
+        ("rollout", ["task.name={gym_task}"], "its NeMo Gym resources server http://127.0.0.1:{closed_port} does not"),
     ],
     ids=[
-        "missing-gguf", "not-a-gguf", "service-port-busy", "model-port-busy", "unknown-backend", "unknown-gym-provider"
+        "missing-gguf", "not-a-gguf", "service-port-busy", "model-port-busy", "unknown-backend", "unknown-gym-provider",
+        "gym-server-down",
     ],
 )
 def test_what_cannot_start_is_one_line_naming_it(
     command: str, args: list[str], message: str, busy_port: int, tmp_path: Path
 ) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        closed_port = sock.getsockname()[1]  # nothing listens there once closed
     (tmp_path / "junk.gguf").write_bytes(b"not a model")
-    values = {"busy_port": busy_port, "not_a_gguf": tmp_path / "junk.gguf"}
+    (tmp_path / "rows.jsonl").write_text('{"id": "r0"}\n')
+    (tmp_path / "gym.yaml").write_text(
+        f"name: down\ntype: gym\ndataset: {{path: rows.jsonl}}\nresources_server_url: http://127.0.0.1:{closed_port}\n"
+    )
+    values = {"busy_port": busy_port, "closed_port": closed_port, "not_a_gguf": tmp_path / "junk.gguf"}
+    values["gym_task"] = tmp_path / "gym.yaml"
     cheap = "service.store=:memory:" if command == "serve" else "limit=1"
     result = prorl(command, *(a.format(**values) for a in args), cheap, cwd=tmp_path, timeout=120)
     lines = result.stderr.strip().splitlines()
