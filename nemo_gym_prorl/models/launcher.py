@@ -1,8 +1,8 @@
 """Start the embedded model server as a child process and stop it, whatever happens.
 
-The child's stderr (uvicorn, llama.cpp, a traceback) goes to the ``nemo_gym_prorl.models.server`` logger at INFO —
-`prorl` keeps it in the run's log file — and a server that dies before it is ready raises `ModelServerError` naming
-the last line it wrote.
+The child's stderr goes to the ``nemo_gym_prorl.models.server`` logger: at INFO until the server is ready (model
+loading chatter; `prorl` keeps it in the run's log file), at WARNING after (a server that breaks while serving is
+worth seeing). A server that dies before it is ready raises `ModelServerError` naming the last line it wrote.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class ModelServerProcess:
         self.pid: int | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
+        self._ready = False
         self._stderr_reader: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Self:
@@ -84,6 +85,7 @@ class ModelServerProcess:
             await self.stop()
             raise
         self.base_url = f"http://{self.host}:{port}/v1"
+        self._ready = True
         return self
 
     async def _read_stderr(self, process: asyncio.subprocess.Process) -> None:
@@ -93,7 +95,7 @@ class ModelServerProcess:
             line = raw.decode(errors="replace").rstrip()
             if line:
                 self._stderr_tail.append(line)
-                log.info("%s", line)
+                log.log(logging.WARNING if self._ready else logging.INFO, "%s", line)
 
     def _last_words(self) -> str:
         return f": {self._stderr_tail[-1]}" if self._stderr_tail else ""
@@ -113,6 +115,7 @@ class ModelServerProcess:
     async def stop(self) -> None:
         process, self._process = self._process, None
         reader, self._stderr_reader = self._stderr_reader, None
+        self._ready = False  # what it says while being stopped is for the log file
         try:
             if process is None or process.returncode is not None:
                 return
