@@ -173,15 +173,16 @@ def test_what_cannot_start_is_one_line_naming_it(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["task=nope"], "unknown task 'nope'; known: math"),
+        (["task=nope"], "unknown task 'nope'; known: "),
         (["model=gpt5"], "unknown model 'gpt5'; known: local"),
         (["sandbox=docker"], "unknown sandbox 'docker'; known: apptainer, bwrap"),
         (["n_samples=four"], "invalid n_samples='four'"),
         (["limit=0"], "invalid limit=0"),
+        (["-m", "seed=0,1"], "in a sweep (-m) each run writes into its own folder"),  # or runs overwrite each other
     ],
 )
 def test_bad_overrides_stop_at_once_with_one_line(args: list[str], message: str, tmp_path: Path) -> None:
-    result = prorl("rollout", *args, f"output={tmp_path / 'out.jsonl'}")
+    result = prorl("rollout", *args, f"output={tmp_path / 'out.jsonl'}", cwd=tmp_path)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("prorl: error: ")
     assert message in lines[0]
@@ -199,7 +200,7 @@ def test_bad_overrides_stop_at_once_with_one_line(args: list[str], message: str,
 def test_bad_task_files_stop_at_once_naming_the_problem(yaml_text: str, message: str, tmp_path: Path) -> None:
     task = tmp_path / "task.yaml"
     task.write_text(yaml_text)
-    result = prorl("rollout", f"task.name={task}", f"output={tmp_path / 'out.jsonl'}")
+    result = prorl("rollout", f"task.name={task}", f"output={tmp_path / 'out.jsonl'}", cwd=tmp_path)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert message in result.stderr
 
