@@ -33,7 +33,7 @@ def test_rollout_writes_token_faithful_trajectories_graded_by_math_verify(tmp_pa
     output = tmp_path / "rollouts.jsonl"
     result = prorl(
         "rollout", "task=math", "model=local", "sandbox=bwrap", "n_samples=2", "limit=2", "concurrency=4",
-        "sampling.max_tokens=96", "model.n_ctx=4096", f"output={output}", timeout=400,
+        "sampling.max_tokens=96", "model.n_ctx=4096", f"output={output}", timeout=400, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "mean reward" in result.stdout and "tool calls run" in result.stdout
