@@ -122,22 +122,17 @@ def _in_own_folder(output: Path) -> None:
 
 
 def rollout(cfg: DictConfig) -> None:
-    from nemo_gym_prorl.models.launcher import check_gguf
     from nemo_gym_prorl.models.llama_log import route_llama_logs
     from nemo_gym_prorl.service.job import RolloutJobConfig, run_job
     from nemo_gym_prorl.service.report import RolloutReport
-    from nemo_gym_prorl.startup import check_gym_servers, check_port_free, check_sandbox_backend
+    from nemo_gym_prorl.startup import check_service_can_start
 
     config = _validated(RolloutJobConfig, cfg)
     config.task.name, task = locate_task(config.task.name, user_task_dirs())
     _in_own_folder(config.output)
-    if config.service.url is None:  # the service runs in this process: check what it will start
-        route_llama_logs()
-        if config.model.kind == "local":
-            check_gguf(config.model)
-            check_port_free(config.model.host, config.model.port, "model.port")
-        asyncio.run(check_sandbox_backend(config.sandbox.backend))
-        check_gym_servers([task])
+    route_llama_logs()
+    if config.service.url is None:  # the service runs in this process
+        check_service_can_start(config.model, config.sandbox.backend, [task])
     report = RolloutReport(config.output, task.name, resolved_config("rollout", config, [task]))
     with report:
         asyncio.run(run_job(config, report))
@@ -145,24 +140,20 @@ def rollout(cfg: DictConfig) -> None:
 
 
 def serve(cfg: DictConfig) -> None:
-    from nemo_gym_prorl.models.launcher import check_gguf
     from nemo_gym_prorl.models.llama_log import route_llama_logs
     from nemo_gym_prorl.service.runtime import ServiceConfig
     from nemo_gym_prorl.service.serve import serve as serve_forever
-    from nemo_gym_prorl.startup import check_gym_servers, check_port_free, check_sandbox_backend
+    from nemo_gym_prorl.startup import check_port_free, check_service_can_start
 
     config = _validated(ServiceConfig, cfg)
     located = [locate_task(name, user_task_dirs()) for name in config.service.tasks]
     config.service.tasks = [name for name, _ in located]
+    tasks = [task for _, task in located]
     route_llama_logs()
     check_port_free(config.service.host, config.service.port, "service.port")
-    if config.model.kind == "local":
-        check_gguf(config.model)
-        check_port_free(config.model.host, config.model.port, "model.port")
-    asyncio.run(check_sandbox_backend(config.sandbox.backend))
-    check_gym_servers([task for _, task in located])
+    check_service_can_start(config.model, config.sandbox.backend, tasks)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    (run_dir / "serve.config.yaml").write_text(resolved_config("serve", config, [task for _, task in located]))
+    (run_dir / "serve.config.yaml").write_text(resolved_config("serve", config, tasks))
     serve_forever(config)
 
 

@@ -3,17 +3,33 @@ is a `StartupError` whose message names the cause and what to do (the CLI shows 
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import socket
+from typing import TYPE_CHECKING
 
 import httpx
 
 from nemo_gym_prorl.envs.task import TaskConfig
+from nemo_gym_prorl.models.launcher import check_gguf
 from nemo_gym_prorl.sandbox import SandboxSpec, backends, open_sandbox
+
+if TYPE_CHECKING:
+    from nemo_gym_prorl.service.runtime import ModelConfig
 
 
 class StartupError(RuntimeError):
     """Something a command needs cannot start; the message says why and what to do."""
+
+
+def check_service_can_start(model: ModelConfig, sandbox_backend: str, tasks: list[TaskConfig]) -> None:
+    """What a service in this process will start besides itself: the local model (its GGUF, its port), sandboxes
+    of `sandbox_backend`, and the tasks' NeMo Gym resources servers must be reachable."""
+    if model.kind == "local":
+        check_gguf(model)
+        check_port_free(model.host, model.port, "model.port")
+    asyncio.run(check_sandbox_backend(sandbox_backend))
+    check_gym_servers(tasks)
 
 
 async def check_sandbox_backend(backend: str) -> None:
