@@ -102,7 +102,7 @@ def clean_patch(diff: str, max_bytes: int) -> ExtractedPatch:
     """`diff` without binary file sections, or nothing if it is over `max_bytes`."""
     notes = []
     starts = [m.start() for m in _FILE_HEADER.finditer(diff)]
-    sections = [diff[a:b] for a, b in zip(starts, [*starts[1:], len(diff)], strict=True)]
+    sections = [diff[a:b] for a, b in zip(starts, [*starts[1:], len(diff)], strict=False)]
     kept = []
     for section in sections:
         if "\nGIT binary patch\n" in section or re.search(r"^Binary files .* differ$", section, re.M):

@@ -23,6 +23,7 @@ SERVERS = (
     "resources_servers/prorl_math",
     "resources_servers/prorl_code",
     "resources_servers/prorl_stem",
+    "resources_servers/prorl_swe",
     "resources_servers/prorl_bench",
     "responses_api_agents/prorl_service",
     "responses_api_agents/prorl_agent",
