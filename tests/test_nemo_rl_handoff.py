@@ -61,7 +61,8 @@ SAMPLING = PolicySampling(temperature=0.8, top_p=0.95, val_temperature=0.0, val_
 MAX_NEW_TOKENS = 16  # policy.generation.max_new_tokens
 TOKEN = "handoff-s3cret"
 SHORT_TASK = "math/arithmetic-2-turns"  # math/arithmetic in at most 2 turns: the rollouts' model time, halved
-BROKEN_TASK = "broken/sandbox"  # math, with a sandbox that cannot start (1 MB of memory)
+# Its sandbox comes from a Gym resources server that is down: the seed_session that would start it fails, every time.
+UNREACHABLE_TASK = "math/sandbox-server-down"
 RELAY, IN_PROCESS = "prorl_service_agent", "prorl_agent"
 TOKENS = "_tokens"  # the same agent, its service in token-in/token-out mode
 AGENTS = [RELAY, IN_PROCESS]
@@ -169,6 +170,17 @@ def math_task(folder: Path, name: str, **changes: Any) -> str:
     return str(path)
 
 
+def unreachable_task(folder: Path) -> str:
+    """Math rows served by a Gym resources server (task type gym) at an address nothing listens on."""
+    raw = {
+        "name": UNREACHABLE_TASK, "type": "gym", "dataset": {"path": str(EXAMPLE), "id_key": "instance_id"},
+        "resources_server_url": "http://127.0.0.1:9", "max_turns": 1,
+    }  # fmt: skip
+    path = folder / "sandbox_server_down.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
 def service_config(store: Path, tasks: list[str], decoy: str, mode: str) -> ServiceConfig:
     return ServiceConfig(
         service=ServiceSettings(port=0, tasks=tasks, store=store, token=TOKEN, pipeline=PIPELINE),
@@ -196,7 +208,7 @@ def handoff(model_server: LocalModelServer, tmp_path_factory: pytest.TempPathFac
     tmp = tmp_path_factory.mktemp("handoff")
     tasks = [
         math_task(tmp, SHORT_TASK, max_turns=2),  # the service's first: rows without prorl_task
-        math_task(tmp, BROKEN_TASK, max_turns=1, limits={"memory_mb": 1}),
+        unreachable_task(tmp),
     ]
     decoy = model_server.base_url  # answers any model name: a turn sent there is a turn the policy never saw
     background = Background()
@@ -336,10 +348,10 @@ async def test_token_mode_against_nemo_rls_server_fails_fast_saying_why(handoff:
 async def test_a_sandbox_failing_before_the_first_turn_yields_a_masked_result_nemo_rl_accepts(
     handoff: Handoff, agent: str
 ) -> None:
-    row = json.loads(EXAMPLE.open().readline()) | {"prorl_task": BROKEN_TASK}
+    row = json.loads(EXAMPLE.open().readline()) | {"prorl_task": UNREACHABLE_TASK}
     [(_, result)] = await handoff.run_examples(stamped([row], agent))
 
-    assert result["critical_error"] == "init" and "shell did not start" in result["failure_reason"]
+    assert result["critical_error"] == "init" and "seed_session" in result["failure_reason"]
     assert nemo_rl_accepts(result) is True  # one real turn of the policy on the first prompt, masked
     assert result["num_turns"] == 0 and result["mask_sample"] is True
     [turn] = [item for item in result["response"]["output"] if item.get("generation_token_ids")]
