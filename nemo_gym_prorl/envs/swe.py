@@ -112,7 +112,8 @@ class SweEnvironment(Environment):
         return await waiting
 
     async def collect(self, episode: Episode) -> Submission:
-        assert episode.sandbox is not None
+        if episode.sandbox is None:  # graded without a live sandbox (a Gym verify after its session closed)
+            return {"patch": "", "patch_notes": ["no live sandbox to take a patch from"]}
         extracted = await extract_patch(
             episode.sandbox, episode.session["base_commit"], self.settings.max_patch_bytes, self.settings.apply_timeout_s
         )

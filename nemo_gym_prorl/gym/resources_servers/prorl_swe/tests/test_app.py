@@ -34,7 +34,7 @@ async def test_a_fix_made_through_the_tools_is_graded_resolved(client: httpx.Asy
     assert row["patch"].split(" b/", 1)[1].split("\n", 1)[0] in output
     verdict = (await client.post("/verify", json=row | {"response": RESPONSE}, timeout=600)).json()
     assert verdict["reward"] == 1.0 and verdict["resolved"], verdict["grade_details"]
-    assert verdict["model_patch"].startswith("diff --git")
+    assert verdict["grade_details"]["patch_applied"] and verdict["grade_details"]["fail_to_pass"].startswith("15/")
 
 
 async def test_no_change_is_graded_0_and_a_row_without_a_field_is_refused(client: httpx.AsyncClient) -> None:
