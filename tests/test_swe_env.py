@@ -62,6 +62,16 @@ def apply_command(patch: str) -> str:
     return f"git apply <<'PRORL_EOF'\n{patch}PRORL_EOF\n"
 
 
+async def agent_runs(env: SweEnvironment, instance: TaskInstance, command: str) -> dict:
+    """What an episode whose agent ran `command` submits."""
+    episode = await env.init(instance)
+    try:
+        await env.call_tool(episode, bash(command))
+        return await env.collect(episode)
+    finally:
+        await env.close(episode)
+
+
 def test_shipped_suite_has_60_instances_from_4_projects(instances: dict[str, TaskInstance]) -> None:
     rows = [parse_row(i.data, i.instance_id) for i in instances.values()]
     assert len(rows) >= 60 and len({r.repo for r in rows}) >= 4
@@ -137,12 +147,7 @@ async def test_agent_fixing_through_the_tools_gets_reward_1(env: SweEnvironment,
 
 async def test_wrong_fix_gets_0_naming_the_failing_tests(env: SweEnvironment, instances) -> None:
     instance = sample(instances)[1]
-    episode = await env.init(instance)
-    try:
-        await env.call_tool(episode, bash("echo '# a comment' >> README.rst; echo 'x = 1' > new_module.py"))
-        submission = await env.collect(episode)
-    finally:
-        await env.close(episode)
+    submission = await agent_runs(env, instance, "echo '# a comment' >> README.rst; echo 'x = 1' > new_module.py")
     assert "new_module.py" in submission["patch"]
     evaluation = await env.grade(instance, submission)
     assert evaluation.reward == 0.0 and evaluation.details["patch_applied"]
@@ -151,12 +156,7 @@ async def test_wrong_fix_gets_0_naming_the_failing_tests(env: SweEnvironment, in
 
 async def test_agent_rewriting_git_or_deleting_tests_gets_a_clear_reason(env: SweEnvironment, instances) -> None:
     instance = sample(instances)[2]
-    episode = await env.init(instance)
-    try:
-        await env.call_tool(episode, bash("rm -rf .git && git init -q && git add -A && git commit -qm x"))
-        submission = await env.collect(episode)
-    finally:
-        await env.close(episode)
+    submission = await agent_runs(env, instance, "rm -rf .git && git init -q && git add -A && git commit -qm x")
     assert submission["patch"] == "" and "base commit" in submission["patch_notes"][0]
     evaluation = await env.grade(instance, submission)
     assert evaluation.reward == 0.0 and "base commit" in evaluation.details["patch_notes"][0]
