@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -65,15 +66,25 @@ class ModelServerProcess:
         self._process: asyncio.subprocess.Process | None = None
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
         self._ready = False
-        self._stderr_reader: asyncio.Task[None] | None = None
+        self._stderr_reader: threading.Thread | None = None
 
     async def __aenter__(self) -> Self:
-        self._process = await asyncio.create_subprocess_exec(
-            *self.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-            preexec_fn=ends_with_parent(signal.SIGTERM),
-        )  # fmt: skip
+        read_end, write_end = os.pipe()
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                *self.argv, stdout=asyncio.subprocess.PIPE, stderr=write_end, start_new_session=True,
+                preexec_fn=ends_with_parent(signal.SIGTERM),
+            )  # fmt: skip
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
         self.pid = self._process.pid
-        self._stderr_reader = asyncio.create_task(self._read_stderr(self._process))
+        self._stderr_reader = threading.Thread(
+            target=self._read_stderr, args=(read_end,), name=f"model-server-{self.pid}-stderr", daemon=True
+        )
+        self._stderr_reader.start()
         try:
             port = await asyncio.wait_for(self._ready_port(), self.startup_timeout_s)
         except TimeoutError:
@@ -88,14 +99,15 @@ class ModelServerProcess:
         self._ready = True
         return self
 
-    async def _read_stderr(self, process: asyncio.subprocess.Process) -> None:
-        """Drain the child's stderr for as long as it lives (a full pipe would block it), keeping the last lines."""
-        assert process.stderr is not None
-        async for raw in process.stderr:
-            line = raw.decode(errors="replace").rstrip()
-            if line:
-                self._stderr_tail.append(line)
-                log.log(logging.WARNING if self._ready else logging.INFO, "%s", line)
+    def _read_stderr(self, read_end: int) -> None:
+        """Drain the child's stderr until it closes, keeping the last lines. A thread, not a task: the event loop
+        that started the server may not run while it serves (a test fixture's), and a full pipe would block it."""
+        with open(read_end, "rb") as pipe:
+            for raw in pipe:
+                line = raw.decode(errors="replace").rstrip()
+                if line:
+                    self._stderr_tail.append(line)
+                    log.log(logging.WARNING if self._ready else logging.INFO, "%s", line)
 
     def _last_words(self) -> str:
         return f": {self._stderr_tail[-1]}" if self._stderr_tail else ""
@@ -107,31 +119,23 @@ class ModelServerProcess:
             if line.startswith(READY_LINE):
                 return int(line.split()[1])
         code = await self._process.wait()
-        if self._stderr_reader is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._stderr_reader), 5)
+        if self._stderr_reader is not None:  # its last lines say why
+            await asyncio.to_thread(self._stderr_reader.join, 5)
         raise ModelServerError(f"the model server exited with code {code} before it was ready{self._last_words()}")
 
     async def stop(self) -> None:
         process, self._process = self._process, None
-        reader, self._stderr_reader = self._stderr_reader, None
         self._ready = False  # what it says while being stopped is for the log file
+        if process is None or process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
         try:
-            if process is None or process.returncode is not None:
-                return
+            await asyncio.wait_for(process.wait(), 10)
+        except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), 10)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                await process.wait()
-        finally:
-            if reader is not None:
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reader
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
