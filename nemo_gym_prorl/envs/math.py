@@ -12,6 +12,7 @@ worker that does not come back in time is killed and replaced.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import threading
 from multiprocessing.pool import Pool
@@ -70,6 +71,7 @@ class _WorkerPool:
                 context = multiprocessing.get_context("forkserver")
                 context.set_forkserver_preload([__name__])  # workers fork with math-verify already imported
                 self._pool = context.Pool(_WORKERS)
+                atexit.register(self.close)
             pool = self._pool
         pending = pool.apply_async(_grade, (answer, expected, TIMEOUT_S))
         try:
@@ -81,6 +83,15 @@ class _WorkerPool:
             pool.terminate()
             return {"reward": 0.0, "resolved": False,
                     "details": {"reason": "grading timed out", "answer": answer, "expected": expected}}
+
+
+    def close(self) -> None:
+        """Stop the workers (at exit: a pool left to the garbage collector errs during interpreter shutdown)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.terminate()
+            pool.join()
 
 
 _WORKER_POOL = _WorkerPool()
