@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -32,6 +34,7 @@ from nemo_gym.base_resources_server import (
     SimpleResourcesServer,
 )
 from nemo_gym.server_utils import SESSION_ID_KEY
+from nemo_gym.verifier_fixture import VerifierFixture, exercise_verifier_fixture, load_verifier_fixture
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from nemo_gym_prorl.envs import Environment, Episode, Evaluation, make_environment
@@ -195,3 +198,25 @@ class ProrlTaskServer(SimpleResourcesServer):
                 "grade_details": json.loads(json.dumps(evaluation.details, default=str)),
             }
         )
+
+
+def verifier_fixture(server_factory: Callable[[], ProrlTaskServer], cases_path: Path) -> VerifierFixture:
+    """NeMo Gym's verifier fixture over a task server: each case graded from its response alone (no session)."""
+    return VerifierFixture(
+        server_factory=server_factory,
+        request_model=ProrlTaskVerifyRequest,
+        cases_path=cases_path,
+        invoke=lambda server, body: server.grade_row(body),  # type: ignore[attr-defined]
+        reseed=lambda server, body: None,  # grading holds no state between requests
+    )
+
+
+async def check_verifier_fixture(fixture: VerifierFixture, repeats: int = 10) -> None:
+    """Gym's checks (full reward, zero, malformed, determinism on a fresh server), then the determinism case
+    `repeats` times more on one server: the same reward every time."""
+    await exercise_verifier_fixture(fixture, reward_range=(0.0, 1.0), determinism="seeded")
+    case = next(c for c in load_verifier_fixture(fixture.cases_path) if c.kind == "determinism")
+    server, request = fixture.server_factory(), ProrlTaskVerifyRequest.model_validate(case.request)
+    rewards = {(await server.grade_row(request)).reward for _ in range(repeats)}  # type: ignore[attr-defined]
+    if rewards != {case.expected_reward}:
+        raise AssertionError(f"case {case.name!r}: rewards {sorted(rewards)} over {repeats} runs")

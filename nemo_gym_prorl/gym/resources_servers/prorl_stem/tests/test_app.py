@@ -1,19 +1,16 @@
 """What `gym env test --resources-server prorl_stem` checks: Gym's verifier fixture on its own mcqa rows, and a
 session that computes in its sandbox and answers with a plain message."""
 
-import json
 from pathlib import Path
 from unittest.mock import MagicMock
 
 import httpx
 from nemo_gym.server_utils import ServerClient
-from nemo_gym.verifier_fixture import VerifierFixture, exercise_verifier_fixture, load_verifier_fixture
 from resources_servers.prorl_stem.app import ProrlStemConfig, ProrlStemServer
 
-from nemo_gym_prorl.gym.task_server import ProrlTaskVerifyRequest
+from nemo_gym_prorl.gym.task_server import check_verifier_fixture, verifier_fixture
 
 HERE = Path(__file__).parent
-EXAMPLE_ROWS = [json.loads(line) for line in (HERE.parent / "data" / "example.jsonl").open()]
 
 
 def make_server(task: str = "stem/gym_mcqa_example") -> ProrlStemServer:
@@ -21,20 +18,8 @@ def make_server(task: str = "stem/gym_mcqa_example") -> ProrlStemServer:
     return ProrlStemServer(config=config, server_client=MagicMock(spec=ServerClient))
 
 
-FIXTURE = VerifierFixture(
-    server_factory=make_server,
-    request_model=ProrlTaskVerifyRequest,
-    cases_path=HERE / "verifier_cases.jsonl",
-    invoke=lambda server, body: server.grade_row(body),
-    reseed=lambda server, body: None,
-)
-
-
 async def test_verifier_fixture_full_zero_malformed_and_determinism() -> None:
-    await exercise_verifier_fixture(FIXTURE, reward_range=(0.0, 1.0), determinism="seeded")
-    case = next(c for c in load_verifier_fixture(FIXTURE.cases_path) if c.kind == "determinism")
-    server, request = make_server(), ProrlTaskVerifyRequest.model_validate(case.request)
-    assert {(await server.grade_row(request)).reward for _ in range(10)} == {1.0}
+    await check_verifier_fixture(verifier_fixture(make_server, HERE / "verifier_cases.jsonl"))
 
 
 async def test_a_units_session_computes_in_its_sandbox_and_a_converted_answer_is_right() -> None:
