@@ -14,8 +14,13 @@ from nemo_gym_prorl.envs.code_grading import GradingSettings, grade_programs
 from nemo_gym_prorl.envs.code_tests import problem_from_row
 
 DATA = Path(code_gen.__path__[0]) / "data"
-sys.path.insert(0, code_gen.__path__[0])  # Gym's server imports its lcb_integration package from its own folder
-from lcb_integration.compute_code_generation_metrics import check_correctness  # noqa: E402
+# Gym's server imports its lcb_integration package from its own folder; that folder is on sys.path only while it is
+# imported: it also holds a `tests` package, which would shadow ours for every test module collected after this one.
+sys.path.insert(0, code_gen.__path__[0])
+try:
+    from lcb_integration.compute_code_generation_metrics import check_correctness
+finally:
+    sys.path.remove(code_gen.__path__[0])
 
 
 def _prompt(row: dict) -> str:
