@@ -138,11 +138,14 @@ async def test_agent_fixing_through_the_tools_gets_reward_1(env: SweEnvironment,
         assert hidden not in log.text.split()  # the hidden tests are not there while the agent works
         applied = await env.call_tool(episode, bash(apply_command(instance.data["patch"]) + "[ $? = 0 ] && echo applied"))
         assert "applied" in applied.text
+        ran = await env.call_tool(episode, ToolCall(name="python", arguments={"code": "print(6 * 7)"}))
+        assert "42" in ran.text
         submission = await env.collect(episode)
     finally:
         await env.close(episode)
     evaluation = await env.grade(instance, submission)
     assert evaluation.reward == 1.0 and evaluation.details["patch_applied"], evaluation.details
+    assert ".prorl" not in submission["patch"]  # the python tool's interpreter files are no part of the fix
 
 
 async def test_wrong_fix_gets_0_naming_the_failing_tests(env: SweEnvironment, instances) -> None:

@@ -20,6 +20,7 @@ import re
 from pydantic import BaseModel
 
 from nemo_gym_prorl.sandbox import Sandbox, SandboxError
+from nemo_gym_prorl.tools.python import STATE_DIR
 
 WORKDIR = "/workspace"
 BASE_DATE = "2000-01-01T00:00:00+00:00"
@@ -27,7 +28,8 @@ _STAGE_TAR = ".prorl-stage.tar"
 _BASE_PATCH = ".prorl-base.patch"
 _PATCH_OUT = ".prorl-patch.diff"
 _GIT_IDENTITY = ["-c", "user.name=prorl", "-c", "user.email=prorl@localhost", "-c", "init.defaultBranch=main"]
-_IGNORED = "__pycache__/\\n*.pyc\\n.pytest_cache/\\n"
+_TOOL_STATE = STATE_DIR.split("/", 1)[0]  # the python tool's interpreter lives in the workspace: never in a patch
+_IGNORED = f"__pycache__/\\n*.pyc\\n.pytest_cache/\\n/{_TOOL_STATE}/\\n"
 
 _STAGE = f"""set -euo pipefail
 cd {WORKDIR}
@@ -57,7 +59,8 @@ _EXTRACT = f"""cd {WORKDIR} 2>/dev/null || {{ echo "the workspace is gone"; exit
 git rev-parse --verify -q "$1^{{commit}}" >/dev/null || {{ echo "the repository no longer holds the base commit \
 $1 (.git removed or rewritten)"; exit 4; }}
 git add -A . ":(exclude){_PATCH_OUT}" || exit 5
-git diff --cached --no-color --no-ext-diff --no-textconv "$1" -- . ":(exclude){_PATCH_OUT}" > {_PATCH_OUT} || exit 5
+git diff --cached --no-color --no-ext-diff --no-textconv "$1" -- . ":(exclude){_PATCH_OUT}" ":(exclude){_TOOL_STATE}" \
+  > {_PATCH_OUT} || exit 5
 """
 
 
