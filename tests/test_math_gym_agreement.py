@@ -55,7 +55,10 @@ def _cases() -> list[tuple[str, str, str]]:
     return cases
 
 
-def test_agreement_with_math_with_judge_library_reward() -> None:
+def test_agreement_with_math_with_judge_library_reward(monkeypatch) -> None:
+    # Agreement is about what each grader decides, not about its time limit: one shipped gold answer, a power of
+    # (2+sqrt 3) to 2016, takes math-verify seconds to compare, and on a loaded machine ours hit its 5 s limit.
+    monkeypatch.setattr("nemo_gym_prorl.envs.math.TIMEOUT_S", 120)
     cases = _cases()
     disagreements = []
     for what, expected, response in cases:
