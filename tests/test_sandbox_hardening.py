@@ -185,7 +185,11 @@ async def test_a_fork_never_copies_host_files_through_a_symlink_race(request: py
             (host_dir / f"file{i}").write_text(secret)
         async with sandbox_of(request, "bwrap") as parent:
             await parent.write_file("swap.py", SWAPPER.encode())
-            started = await parent.run(f"python3 swap.py {host_dir} > swap.log 2>&1 & sleep 1; cat swap.log", 10)
+            started = await parent.run(
+                f"python3 swap.py {host_dir} > swap.log 2>&1 & echo $! > swap.pid; "
+                "for _ in $(seq 200); do grep -q swapping swap.log && break; sleep 0.05; done; cat swap.log",
+                20,
+            )
             assert "swapping" in started.output, started.output
             for _ in range(6):
                 forks = await parent.fork(2)
@@ -195,8 +199,14 @@ async def test_a_fork_never_copies_host_files_through_a_symlink_race(request: py
                         assert secret not in found.output and found.output.strip() == "", found.output
                 finally:
                     await asyncio.gather(*(fork.close() for fork in forks))
-            listed = await parent.run("ls tree/ link/ 2>/dev/null | grep -c ^file", 10)  # the parent runs on
-            assert listed.output.strip() == "300", listed.output
+            # The parent's swapper ran on through the forks; stopped, its tree is whole (listing while it swaps
+            # could see the directory under both names, or under neither).
+            listed = await parent.run(
+                "pid=$(cat swap.pid); kill -0 $pid && echo running; kill $pid; "
+                "wait $pid 2>/dev/null; ls tree/ link/ 2>/dev/null | grep -c ^file",
+                20,
+            )
+            assert listed.output.split() == ["running", "300"], listed.output
 
 
 # -- 6. clone3 -------------------------------------------------------------------------------------------------------
