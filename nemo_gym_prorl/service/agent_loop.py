@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_gym_prorl.envs.base import Environment, Episode
+from nemo_gym_prorl.service import tracing
 from nemo_gym_prorl.service.llm_client import ContextLengthExceeded, Turn, TurnGenerator
 from nemo_gym_prorl.service.trajectory import Finish
 from nemo_gym_prorl.tool_calls import ParsedReply, ToolCallFormat, parse_openai_tool_calls
@@ -72,9 +73,16 @@ class AgentLoop:
         outcome = outcome or self.start(env, episode)
         messages, tools = outcome.messages, outcome.tools
         previous: Turn | None = None
-        for _ in range(self.max_turns):
+        sandbox = {}
+        if episode.sandbox is not None:
+            sandbox = {"sandbox_id": tracing.sandbox_id(episode.sandbox), "sandbox_backend": env.sandbox_backend}
+            tracing.annotate(**sandbox)  # on the run stage's span
+        for turn_index in range(self.max_turns):
             try:
-                turn = await self.generator.generate(messages, tools or None, previous)
+                async with tracing.span("model", turn=turn_index) as span:
+                    turn = await self.generator.generate(messages, tools or None, previous)
+                    span.set(prompt_tokens=len(turn.prompt_token_ids), generated_tokens=len(turn.generation_token_ids),
+                             finish_reason=turn.finish_reason)
             except ContextLengthExceeded:
                 outcome.finish = "context_length"
                 return outcome
@@ -96,7 +104,9 @@ class AgentLoop:
                 outcome.finish = "answer"
                 return outcome
             for call in parsed.tool_calls:
-                result = await env.call_tool(episode, call)
+                async with tracing.span("tool", turn=turn_index, tool=call.name, **sandbox) as span:
+                    result = await env.call_tool(episode, call)
+                    span.set(finished=result.finished)
                 outcome.num_tool_calls += 1
                 messages.append(self.tool_format.tool_result_message(call, result.text))
                 if result.finished:

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.service import tracing
 from nemo_gym_prorl.service.json_http import JsonHttp
 from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS
 
@@ -69,6 +70,7 @@ def http_poster(http: JsonHttp, base_url: str) -> PostJSON:
     base = base_url.rstrip("/")
 
     async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        tracing.annotate(backend=base)
         response = await http.post(base + path, body)
         if 400 <= response.status < 500:
             raise refusal(response.status, response.error_message())

@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from nemo_gym_prorl.service import tracing
 from nemo_gym_prorl.service.json_http import HttpTransportError, JsonHttp
 from nemo_gym_prorl.service.llm_client import LLMRequestError, PostJSON, refusal, request_fault
 from nemo_gym_prorl.service.stage_clock import stage_deadline_held
@@ -242,6 +243,7 @@ class LLMPool:
                 for other, message in failed_500:  # the request was fine: those 500s were the servers'
                     self._failed(other, f"HTTP 500: {message[:500]} (the same request was answered later)")
                 self._succeeded(backend)
+                tracing.annotate(backend=backend.address, attempts=attempt + 1)
                 for other, refused in refused_by:  # this backend took what they refused: the fault was theirs
                     self._failed(other, f"{refused} (another backend answered the same request)")
                 return answer

@@ -31,6 +31,7 @@ from nemo_gym_prorl.envs.base import Environment, Episode, Submission
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.service.agent_loop import AgentLoop, AgentOutcome
 from nemo_gym_prorl.service.stage_clock import StageClock, current_stage_clock
+from nemo_gym_prorl.service.tracing import RolloutTrace
 from nemo_gym_prorl.service.trajectory import Trajectory
 
 _log = logging.getLogger(__name__)
@@ -73,10 +74,12 @@ class Rollout:
     holds_sandbox_slot: bool = False
     run_completed: bool = False
     done: asyncio.Future[Trajectory] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    trace: RolloutTrace = field(init=False)
 
     def __post_init__(self) -> None:
         if self.trajectory is None:
             self.trajectory = Trajectory(instance_id=self.instance.instance_id, trajectory_id=uuid.uuid4().hex)
+        self.trace = RolloutTrace(self.trajectory)
 
     def __hash__(self) -> int:
         return id(self)
@@ -138,6 +141,7 @@ class RolloutPipeline:
     def submit(self, rollouts: Iterable[Rollout]) -> None:
         for rollout in rollouts:
             self._live.add(rollout)
+            rollout.trace.start()
             self._enqueue("init", rollout)
 
     async def cancel(self, rollout: Rollout) -> None:
@@ -206,10 +210,10 @@ class RolloutPipeline:
 
     async def _run_stage(self, stage: Stage, rollout: Rollout) -> None:
         budget = self._budget(stage, rollout)
-        started = time.perf_counter()
+        span = rollout.trace.stage(stage)  # times the stage; its spans hold the calls made inside
         clock: StageClock | None = None
         try:
-            async with asyncio.timeout(budget) as timeout:
+            async with span, asyncio.timeout(budget) as timeout:
                 clock = StageClock(timeout)
                 current_stage_clock.set(clock)  # this stage's task only
                 if stage == "init":
@@ -228,7 +232,7 @@ class RolloutPipeline:
             raise _StageTimeout(self._timeout_message(stage, rollout, budget)) from e
         finally:
             waited = clock.held_s if clock is not None else 0.0  # on a weight sync: queue time
-            elapsed = time.perf_counter() - started - waited
+            elapsed = span.duration_s - waited
             rollout.stage_time += elapsed
             setattr(rollout.trajectory.timing, stage, elapsed)
             rollout.trajectory.timing.queued += waited
@@ -288,6 +292,7 @@ class RolloutPipeline:
             if t.critical_error is not None and not rollout.run_completed:
                 t.finish = "error"
             self._live.discard(rollout)
+            rollout.trace.end()
             if not rollout.done.done():
                 rollout.done.set_result(t)
 

@@ -16,11 +16,28 @@ Finish = Literal["answer", "finish", "max_turns", "context_length", "error"]
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
+class TimedSpan(BaseModel):
+    """One timed piece of a rollout: a stage (``init``, ``run``, ``eval``), a model request (``model``) or a tool
+    call (``tool``). The same spans go out as OpenTelemetry spans when tracing is on (service/tracing.py)."""
+
+    name: str = Field(description="init | run | eval | model | tool")
+    start_s: float = Field(description="seconds from the rollout's submission to the pipeline")
+    duration_s: float
+    attributes: dict[str, Any] = Field(
+        default_factory=dict,
+        description="model: turn, backend, attempts, prompt_tokens, generated_tokens, finish_reason; tool: turn, "
+        "tool, sandbox_id, sandbox_backend, finished; any span: error (the exception that ended it)",
+    )
+
+
 class Timing(BaseModel):
+    """Seconds spent per stage (stage time only: waits for a weight sync count as queued) and the timed spans."""
+
     init: float = 0.0
     run: float = 0.0
     eval: float = 0.0
     queued: float = 0.0
+    spans: list[TimedSpan] = Field(default_factory=list, description="stages, model requests, tool calls, in the order they ended")
 
 
 class Trajectory(BaseModel):
