@@ -7,6 +7,8 @@ tested over PtyShell alone and each backend in test_sandbox_backends.py.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import AsyncIterator
@@ -62,6 +64,43 @@ async def test_output_flood_is_interrupted_promptly(tmp_path: Path) -> None:
         assert (await sh.run("echo ok", 5)).output == "ok\n"
     finally:
         await sh.close()
+
+
+# A service started as a background job of a script inherits SIGINT and SIGQUIT ignored: its shells' commands must
+# still take Ctrl-C (the shell keeps its state), whether the shell is spawned on the main thread or another one.
+_BACKGROUND_SERVICE = """
+import asyncio, sys, threading
+from nemo_gym_prorl.sandbox.pty_shell import PtyShell
+
+async def main():
+    sh = PtyShell(["bash", "--norc", "--noprofile", "--noediting", "-i"], sys.argv[1], env={"PATH": "/usr/bin:/bin"})
+    await sh.start()
+    try:
+        await sh.run("KEPT=yes", 5)
+        print((await sh.run("sleep 100", 1)).output, end="|")
+        print((await sh.run("echo $KEPT", 5)).output, end="")
+    finally:
+        await sh.close()
+
+if sys.argv[2] == "main":
+    asyncio.run(main())
+else:
+    worker = threading.Thread(target=asyncio.run, args=(main(),))
+    worker.start()
+    worker.join()
+"""
+
+
+@pytest.mark.parametrize("thread", ["main", "other"])
+def test_commands_take_ctrl_c_in_a_service_started_ignoring_it(tmp_path: Path, thread: str) -> None:
+    script = tmp_path / "service.py"
+    script.write_text(_BACKGROUND_SERVICE)
+    background_job = f'"$0" {script} {tmp_path} {thread} & grep SigIgn /proc/$!/status; wait $!'
+    done = subprocess.run(["bash", "-c", background_job, sys.executable], capture_output=True, text=True, timeout=60)
+    ignored, result = done.stdout.split("\n", 1)
+    assert int(ignored.split()[1], 16) & 0b110 == 0b110, "the job did not start with SIGINT and SIGQUIT ignored"
+    interrupted, kept = result.split("|")
+    assert "restarted" not in interrupted and kept == "yes\n", done.stdout + done.stderr
 
 
 async def test_spawn_is_fork_safe_in_a_threaded_process(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from nemo_gym_prorl.sandbox.base import ExecResult, SandboxError, with_note
+from nemo_gym_prorl.sandbox.interrupts import interruptible_children
 from nemo_gym_prorl.sandbox.limits import OutputCap
 
 _SETUP = (
@@ -129,8 +130,9 @@ class ShellLauncher:
         """Start the process with `tty` (the pty's slave end) as stdin, stdout, stderr and controlling terminal."""
         setsid = shutil.which("setsid") or "/usr/bin/setsid"
         return subprocess.Popen(
-            [setsid, "--ctty", *self.argv], stdin=tty, stdout=tty, stderr=tty, env=self.env, close_fds=True
-        )
+            [setsid, "--ctty", *self.argv],
+            stdin=tty, stdout=tty, stderr=tty, env=self.env, close_fds=True, preexec_fn=interruptible_children(),
+        )  # fmt: skip
 
     def members(self, pid: int) -> set[int]:
         """The processes to kill before the leader `pid` when the shell is torn down."""
@@ -453,6 +455,7 @@ class _PtyChild:
             attrs[3] &= ~termios.ECHO  # lflag: the shell's input is not echoed back
             termios.tcsetattr(slave, termios.TCSANOW, attrs)
             fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", *dimensions, 0, 0))
+            interruptible_children()  # commands must take Ctrl-C even if we were started ignoring it
             popen = launcher.spawn(slave)
         except OSError as e:
             os.close(master)
