@@ -20,6 +20,7 @@ from nemo_gym_prorl.service.client import RolloutClient
 from nemo_gym_prorl.service.orchestrator import JobRequest
 from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
 from nemo_gym_prorl.service.runtime import ModelConfig, SandboxConfig, ServiceConfig, ServiceRuntime, ServiceSettings
+from nemo_gym_prorl.service.tracing import TracingConfig
 from nemo_gym_prorl.service.trajectory import Trajectory
 
 
@@ -46,6 +47,7 @@ class RolloutJobConfig(BaseModel):
     output: Path
     seed: int = 0
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="the in-process service's traces")
 
 
 class RolloutSink(Protocol):
@@ -59,7 +61,9 @@ class RolloutSink(Protocol):
 def in_process_service(config: RolloutJobConfig) -> ServiceConfig:
     stage = StageConfig(workers=config.concurrency)
     pipeline = PipelineConfig(init=stage, run=stage, eval=stage, max_live_sandboxes=config.concurrency)
-    settings = ServiceSettings(tasks=[config.task.name], store=Path(":memory:"), pipeline=pipeline)
+    settings = ServiceSettings(
+        tasks=[config.task.name], store=Path(":memory:"), pipeline=pipeline, tracing=config.tracing
+    )
     return ServiceConfig(service=settings, model=config.model, sandbox=config.sandbox)
 
 

@@ -22,6 +22,7 @@ from nemo_gym_prorl.service.llm_pool import LLMPool, LLMPoolConfig
 from nemo_gym_prorl.service.orchestrator import ModelSettings, Orchestrator
 from nemo_gym_prorl.service.pipeline import PipelineConfig, RolloutPipeline
 from nemo_gym_prorl.service.store import JobStore, RecoveryPolicy
+from nemo_gym_prorl.service.tracing import TracingConfig, exporting
 from nemo_gym_prorl.tool_calls import ToolCallFormatName
 
 TOKEN_ENV = "PRORL_SERVICE_TOKEN"
@@ -55,6 +56,7 @@ class ServiceSettings(BaseModel):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     llm_pool: LLMPoolConfig = Field(default_factory=LLMPoolConfig)
     gc: GcSettings = Field(default_factory=GcSettings)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
     shutdown_grace_s: float = Field(
         5.0, ge=0, description="on stop, how long open requests may go on before they are cut (a stream, a blocking "
         "/process or /run would otherwise hold the stop until its rollout ends); their jobs stay for the next start",
@@ -83,6 +85,7 @@ class ServiceRuntime:
         config = self.config
         tasks = [load_task(name) for name in config.service.tasks]
         try:
+            self._stack.enter_context(exporting(config.service.tracing))  # left last: flushes what the others traced
             pool = await self._stack.enter_async_context(LLMPool(config.service.llm_pool, config.model.addresses))
             tokenizer = None
             if config.model.kind == "local":
