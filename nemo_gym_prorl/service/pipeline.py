@@ -282,6 +282,8 @@ class RolloutPipeline:
             outcome = rollout.outcome
             t.messages, t.tools, t.finish = outcome.messages, outcome.tools, outcome.finish
             t.num_tool_calls, t.num_format_errors = outcome.num_tool_calls, outcome.num_format_errors
+        if rollout.submission is not None and rollout.env.task.type != "gym":  # a Gym server grades a live session
+            t.submission = rollout.submission
         t.critical_error = critical_error  # type: ignore[assignment]
         t.error = error
         try:

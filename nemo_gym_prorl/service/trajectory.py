@@ -40,6 +40,19 @@ class Timing(BaseModel):
     spans: list[TimedSpan] = Field(default_factory=list, description="stages, model requests, tool calls, in the order they ended")
 
 
+class Reverification(BaseModel):
+    """A stored rollout graded again by the current graders (`prorl reverify`): what it had, and what it gets now.
+    The trajectory's own reward, resolved and evaluation are the new ones (the old ones when it was skipped)."""
+
+    old_reward: float
+    old_resolved: bool
+    old_evaluation: dict[str, Any] = Field(default_factory=dict)
+    reward: float | None = Field(None, description="the new reward; None when the rollout was not graded again")
+    resolved: bool | None = None
+    changed: bool = Field(False, description="reward or resolved differ from the old ones")
+    skipped: str | None = Field(None, description="why it was not graded again (the old grade stands)")
+
+
 class Trajectory(BaseModel):
     instance_id: str
     trajectory_id: str
@@ -54,6 +67,11 @@ class Trajectory(BaseModel):
     timing: Timing = Field(default_factory=Timing)
     num_tool_calls: int = Field(0, description="tool calls that ran in the sandbox")
     num_format_errors: int = 0
+    submission: dict[str, Any] | None = Field(
+        None, description="what grading was given (the answer, the program, the patch): stored rollouts can be graded "
+        "again from it (`prorl reverify`); None when the run never got that far, or for Gym-server tasks",
+    )
+    reverify: Reverification | None = None
 
     def assistant_turns(self) -> list[dict[str, Any]]:
         return [m for m in self.messages if m.get("role") == "assistant" and "generation_token_ids" in m]
