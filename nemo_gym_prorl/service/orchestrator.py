@@ -13,7 +13,7 @@ import re
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -101,6 +101,29 @@ def sample_seed(base: int, instance_id: str, sample: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{base}:{instance_id}:{sample}".encode()).digest()[:4], "little")
 
 
+def make_agent_loop(
+    env: Environment, model: ModelSettings, pool: LLMPool, tokenizer: Tokenizer | None, trajectory_id: str,
+    sampling: SamplingParams,
+) -> AgentLoop:  # fmt: skip
+    """A rollout's agent loop, its requests routed through `pool` as `trajectory_id` (in-process or on a worker)."""
+    generator = turn_generator(
+        model.generation_mode, pool.poster(trajectory_id), model.name, sampling, tokenizer, model.context_window
+    )
+    fmt = tool_call_format(env.task.tool_call_format or model.tool_call_format)
+    return AgentLoop(generator, fmt, env.task.max_turns)
+
+
+class RemoteRollouts(Protocol):
+    """Where rollouts run when not in this process (nemo_gym_prorl.cluster): a rollout's environment and agent loop
+    as the pipeline sees them, their work done elsewhere."""
+
+    def bind(
+        self, env: Environment, group: str, trajectory_id: str, sampling: SamplingParams
+    ) -> tuple[Environment, AgentLoop]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -112,6 +135,7 @@ class Orchestrator:
         pipeline: RolloutPipeline,
         store: JobStore,
         max_n: int = 1024,
+        remote: RemoteRollouts | None = None,
     ) -> None:
         if not tasks:
             raise ValueError("the service needs at least one task")
@@ -122,6 +146,7 @@ class Orchestrator:
         self.pipeline = pipeline
         self.store = store
         self.max_n = max_n
+        self.remote = remote
         self._live: dict[str, _LiveJob] = {}
         self.finished_rollouts: Counter[str] = Counter()
         self.reward_sum = 0.0
@@ -174,9 +199,13 @@ class Orchestrator:
             sampling = request.sampling_params
             if sampling.seed is not None:  # reproducible, and different across the samples of a group
                 sampling = sampling.model_copy(update={"seed": sample_seed(sampling.seed, instance.instance_id, sample)})
+            if self.remote is None:
+                rollout_env, agent = env, self._agent(env, trajectory_id, sampling)
+            else:
+                rollout_env, agent = self.remote.bind(env, job_id, trajectory_id, sampling)
             rollout = Rollout(
-                env=env,
-                agent=self._agent(env, trajectory_id, sampling),
+                env=rollout_env,
+                agent=agent,
                 instance=instance,
                 job_deadline_s=request.deadlines.total_s,
                 stage_deadlines_s=deadlines,
@@ -189,12 +218,7 @@ class Orchestrator:
         self.pipeline.submit(rollouts)
 
     def _agent(self, env: Environment, trajectory_id: str, sampling: SamplingParams) -> AgentLoop:
-        generator = turn_generator(
-            self.model.generation_mode, self.pool.poster(trajectory_id), self.model.name, sampling, self.tokenizer,
-            self.model.context_window,
-        )  # fmt: skip
-        fmt = tool_call_format(env.task.tool_call_format or self.model.tool_call_format)
-        return AgentLoop(generator, fmt, env.task.max_turns)
+        return make_agent_loop(env, self.model, self.pool, self.tokenizer, trajectory_id, sampling)
 
     async def with_first_turn(self, request: JobRequest, trajectory: Trajectory) -> Trajectory:
         """A rollout that ended before the model's first turn (its sandbox did not start, say), with that turn
@@ -360,4 +384,5 @@ class Orchestrator:
             "live_rollouts": self.pipeline.live,
             "jobs": self.store.counts(),
             "llm_backends": [b.model_dump() for b in self.pool.backends()],
+            **({"workers": self.remote.status()} if self.remote is not None else {}),
         }

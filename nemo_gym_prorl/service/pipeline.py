@@ -89,6 +89,15 @@ class _StageTimeout(Exception):
     pass
 
 
+class RolloutLost(Exception):
+    """The rollout's work was lost with the process or node that ran it (a Ray worker): with `rerun`, the pipeline
+    runs it again from init (elsewhere); without, it ends with this stage's critical_error and the message."""
+
+    def __init__(self, message: str, rerun: bool) -> None:
+        super().__init__(message)
+        self.rerun = rerun
+
+
 class RolloutPipeline:
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
@@ -258,6 +267,12 @@ class RolloutPipeline:
         error = task.exception()
         if isinstance(error, _StageTimeout):
             await self._finish(rollout, "timeout", str(error))
+        elif isinstance(error, RolloutLost) and error.rerun:
+            _log.warning("rollout %s: %s; running it again", rollout.trajectory.trajectory_id, error)
+            await self._close_sandbox(rollout)
+            rollout.outcome = rollout.submission = None
+            rollout.run_completed = False
+            self._enqueue("init", rollout)
         elif error is not None:
             detail = "".join(traceback.format_exception_only(error)).strip()
             await self._finish(rollout, stage, detail)

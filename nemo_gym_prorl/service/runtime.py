@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nemo_gym_prorl.cluster.settings import RaySettings
 from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
 from nemo_gym_prorl.models.local_model import default_gguf
@@ -68,6 +69,7 @@ class ServiceConfig(BaseModel):
     service: ServiceSettings = Field(default_factory=ServiceSettings)
     model: ModelConfig = Field(default_factory=ModelConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    ray: RaySettings = Field(default_factory=RaySettings)
 
     def bearer_token(self) -> str | None:
         return self.service.token or os.environ.get(TOKEN_ENV) or None
@@ -86,30 +88,49 @@ class ServiceRuntime:
         tasks = [load_task(name) for name in config.service.tasks]
         try:
             self._stack.enter_context(exporting(config.service.tracing))  # left last: flushes what the others traced
-            pool = await self._stack.enter_async_context(LLMPool(config.service.llm_pool, config.model.addresses))
+            pool_type = LLMPool
+            if config.ray.enabled:  # rollouts on Ray workers, each with a pool of its own that this one drives
+                from nemo_gym_prorl.cluster.fleet_pool import FleetPool
+
+                pool_type = FleetPool
+            pool = await self._stack.enter_async_context(pool_type(config.service.llm_pool, config.model.addresses))
             tokenizer = None
             if config.model.kind == "local":
                 server = await self._stack.enter_async_context(LocalModelServer(config.model))
                 pool.add(server.base_url)
             if config.model.generation_mode == "tokens":
                 tokenizer = Tokenizer.from_gguf(config.model.gguf or default_gguf())
+            model = ModelSettings(
+                name=config.model.served_model_name,
+                generation_mode=config.model.generation_mode,
+                tool_call_format=config.model.tool_call_format,
+                context_window=config.model.n_ctx,
+            )
+            remote = None
+            if config.ray.enabled:  # closed after the pipeline has cancelled what still runs on the workers
+                from nemo_gym_prorl.cluster.fleet import WorkerFleet
+                from nemo_gym_prorl.cluster.worker import WorkerSpec
+
+                gguf = str(config.model.gguf or default_gguf()) if tokenizer is not None else None
+                spec = WorkerSpec(
+                    tasks=tasks, sandbox_backend=config.sandbox.backend, model=model,
+                    llm_pool=config.service.llm_pool, backends=[], gguf=gguf,
+                )  # fmt: skip
+                fleet = WorkerFleet(config.ray, spec, pool)  # type: ignore[arg-type]  # a FleetPool
+                remote = await self._stack.enter_async_context(fleet)
             store = JobStore(config.service.store)
             self._stack.callback(store.close)
             pipeline = await self._stack.enter_async_context(RolloutPipeline(config.service.pipeline))
             self.orchestrator = Orchestrator(
                 tasks,
                 config.sandbox.backend,
-                ModelSettings(
-                    name=config.model.served_model_name,
-                    generation_mode=config.model.generation_mode,
-                    tool_call_format=config.model.tool_call_format,
-                    context_window=config.model.n_ctx,
-                ),
+                model,
                 tokenizer,
                 pool,
                 pipeline,
                 store,
                 max_n=config.service.max_n,
+                remote=remote,
             )
             self._stack.push_async_callback(self.orchestrator.close)
             self.orchestrator.recover(config.service.recovery)

@@ -19,6 +19,11 @@ class StageClock:
         self._timeout = timeout
         self.held_s = 0.0  # time the stage waited on others: not its own
 
+    def remaining_s(self) -> float | None:
+        """Seconds left before the deadline (None: no deadline), for a stage whose work runs elsewhere."""
+        when = self._timeout.when()
+        return None if when is None else max(when - asyncio.get_running_loop().time(), 0.0)
+
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """The deadline stands still while the block runs, and is later by as much after it."""

@@ -1,0 +1,216 @@
+"""The rollout worker: a Ray actor on one node that runs rollouts' init / run / eval with sandboxes local to it.
+
+The head's pipeline decides when each stage runs; the worker does the work, keyed by the rollout's id, and holds
+each rollout's episode (its live sandbox) between calls. It talks to the model backends itself through an LLM pool
+of its own, with the pool's rules (least in flight, one backend per trajectory, health, pause for weight sync),
+so a turn never goes through the head.
+
+The run stage keeps its own deadline here (the time the head had left for it), on a stage clock, so a weight sync
+that holds this worker's requests holds the deadline as it would in-process; the report says how long it was held.
+``close(key)`` (or ``abort(key)``) interrupts whatever the rollout is doing and closes its sandbox: that is how the
+head's cancel and deadlines reach it. A worker that starts sweeps what dead sandbox owners left on its node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from nemo_gym_prorl.envs import Environment, Episode, make_environment
+from nemo_gym_prorl.envs.base import Evaluation, Submission
+from nemo_gym_prorl.envs.dataset import TaskInstance
+from nemo_gym_prorl.envs.task import TaskConfig
+from nemo_gym_prorl.models.engine import SamplingParams
+from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.sandbox.bwrap import sweep_orphans
+from nemo_gym_prorl.service.agent_loop import AgentOutcome
+from nemo_gym_prorl.service.llm_pool import LLMPool, LLMPoolConfig
+from nemo_gym_prorl.service.orchestrator import ModelSettings, make_agent_loop
+from nemo_gym_prorl.service.stage_clock import StageClock, current_stage_clock
+
+
+class Backend(BaseModel):
+    address: str
+    model: str | None = None
+    api_key: str | None = None
+
+
+class WorkerSpec(BaseModel):
+    """What a worker needs to run any rollout of the service: its tasks, sandbox backend and model settings."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    tasks: list[TaskConfig]
+    sandbox_backend: str
+    model: ModelSettings
+    llm_pool: LLMPoolConfig
+    backends: list[Backend]
+    paused: bool = False
+    gguf: str | None = None  # tokens mode: the tokenizer's GGUF, a path every node sees
+
+
+class RunReport(BaseModel):
+    """What the run stage did: the outcome so far (also when it timed out or failed), what grading needs, and how
+    long its deadline stood still for a weight sync."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    finish: str
+    num_tool_calls: int
+    num_format_errors: int
+    submission: Submission | None = None
+    timed_out: bool = False
+    held_s: float = 0.0
+    error: BaseException | None = None
+
+    @classmethod
+    def of(cls, outcome: AgentOutcome, **extra: Any) -> RunReport:
+        return cls(
+            messages=outcome.messages, tools=outcome.tools, finish=outcome.finish,
+            num_tool_calls=outcome.num_tool_calls, num_format_errors=outcome.num_format_errors, **extra,
+        )  # fmt: skip
+
+
+@dataclass
+class _Held:
+    """A rollout as this worker holds it between the head's calls."""
+
+    task: str | None = None
+    episode: Episode | None = None
+    outcome: AgentOutcome | None = None
+    busy: asyncio.Task[Any] | None = None
+    closed: bool = False
+
+
+class RolloutWorker:
+    """Made with ``ray.remote(RolloutWorker).options(...).remote(spec)``; `start()` before the first rollout."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.envs: dict[str, Environment] = {t.name: make_environment(t, spec.sandbox_backend) for t in spec.tasks}
+        self.tokenizer = Tokenizer.from_gguf(spec.gguf) if spec.gguf else None
+        self.pool: LLMPool | None = None
+        self._rollouts: dict[str, _Held] = {}
+        self.swept = sweep_orphans()  # sandboxes of a worker that died on this node before
+
+    async def start(self) -> dict[str, Any]:
+        """Open the LLM pool (in the actor's event loop); returns where this worker runs."""
+        import ray
+
+        if self.pool is None:
+            self.pool = LLMPool(self.spec.llm_pool)
+            for backend in self.spec.backends:
+                self.pool.add(backend.address, backend.model, backend.api_key)
+            self.pool.start()
+            if self.spec.paused:
+                await self.pool.pause()
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "pid": __import__("os").getpid(), "swept": len(self.swept)}
+
+    # -- rollout stages ---------------------------------------------------------------------------------------------
+
+    async def init(self, key: str, task: str, instance: TaskInstance) -> None:
+        held = self._rollouts.setdefault(key, _Held())
+        held.task = task
+        async with self._busy(held):
+            episode = await self.envs[task].init(instance)
+        if held.closed:  # closed while its sandbox was starting
+            await self.envs[task].close(episode)
+            return
+        held.episode = episode
+
+    async def run(
+        self, key: str, task: str, trajectory_id: str, sampling: SamplingParams, budget_s: float | None
+    ) -> RunReport:
+        held = self._rollouts[key]
+        assert held.episode is not None and self.pool is not None
+        env = self.envs[task]
+        agent = make_agent_loop(env, self.spec.model, self.pool, self.tokenizer, trajectory_id, sampling)
+        outcome = held.outcome = agent.start(env, held.episode)
+        clock: StageClock | None = None
+        try:
+            async with self._busy(held), asyncio.timeout(budget_s) as timeout:
+                clock = StageClock(timeout)
+                current_stage_clock.set(clock)
+                await agent.run(env, held.episode, outcome)
+                submission = await env.collect(held.episode)
+        except TimeoutError:
+            return RunReport.of(outcome, timed_out=True, held_s=clock.held_s if clock else 0.0)
+        except Exception as e:  # the stage failed: said with what the run got to, as in-process
+            return RunReport.of(outcome, error=e, held_s=clock.held_s if clock else 0.0)
+        finally:
+            self.pool.release(trajectory_id)
+        return RunReport.of(outcome, submission=submission, held_s=clock.held_s)
+
+    async def grade(self, key: str, task: str, instance: TaskInstance, submission: Submission) -> Evaluation:
+        held = self._rollouts.setdefault(key, _Held())
+        try:
+            async with self._busy(held):
+                return await self.envs[task].grade(instance, submission)
+        finally:
+            self._rollouts.pop(key, None)
+
+    async def close(self, key: str) -> RunReport | None:
+        """Interrupt what the rollout is doing and close its sandbox; the run's outcome so far, if it had one."""
+        held = self._rollouts.pop(key, None)
+        if held is None:
+            self._rollouts[key] = _Held(closed=True)  # a call still on its way finds it closed
+            return None
+        held.closed = True
+        if held.busy is not None:
+            held.busy.cancel()
+            with contextlib.suppress(BaseException):
+                await held.busy
+        episode, held.episode = held.episode, None
+        if episode is not None and held.task is not None:
+            await self.envs[held.task].close(episode)
+        return RunReport.of(held.outcome) if held.outcome is not None else None
+
+    @contextlib.asynccontextmanager
+    async def _busy(self, held: _Held):  # type: ignore[no-untyped-def]
+        if held.closed:
+            raise asyncio.CancelledError("the rollout was closed")
+        held.busy = asyncio.current_task()
+        try:
+            yield
+        finally:
+            held.busy = None
+
+    # -- model backends and weight sync -----------------------------------------------------------------------------
+
+    def add_backend(self, backend: Backend) -> None:
+        if self.pool is None:  # not started yet: `start` adds it
+            self.spec.backends.append(backend)
+        else:
+            self.pool.add(backend.address, backend.model, backend.api_key)
+
+    def remove_backend(self, address: str) -> None:
+        if self.pool is None:
+            self.spec.backends = [b for b in self.spec.backends if b.address != address]
+        else:
+            self.pool.remove(address)
+
+    async def pause_llm(self) -> None:
+        """Returns once no request of this worker is at a model server."""
+        self.spec.paused = True
+        if self.pool is not None:
+            await self.pool.pause()
+
+    def resume_llm(self) -> None:
+        self.spec.paused = False
+        if self.pool is not None:
+            self.pool.resume()
+
+    def live(self) -> int:
+        return sum(1 for held in self._rollouts.values() if held.episode is not None)
+
+    async def shutdown(self) -> None:
+        """Close every sandbox this worker holds (the head is going away)."""
+        await asyncio.gather(*(self.close(key) for key in list(self._rollouts)), return_exceptions=True)
+        if self.pool is not None:
+            await self.pool.aclose()
+        await asyncio.gather(*(env.aclose() for env in self.envs.values()))
