@@ -24,14 +24,17 @@ from unittest.mock import MagicMock
 import datasets.config
 import httpx
 import pytest
-
-from nemo_gym.base_resources_server import ResourcesCloseSessionRequest, ResourcesSeedSessionRequest
+from nemo_gym.base_resources_server import (
+    ResourcesCloseSessionRequest,
+    ResourcesSeedSessionRequest,
+)
 from nemo_gym.episode_types import EpisodeId, TaskId
 from nemo_gym.server_utils import ServerClient
 from nemo_gym.testing.session_conformance import check_resources_session_contract
+
 from nemo_gym_prorl.gym import PLUGIN_ROOT
-from nemo_gym_prorl.gym.rows import task_rows
 from nemo_gym_prorl.gym.processes import free_port, gym_env_start, gym_environ, run_gym
+from nemo_gym_prorl.gym.rows import task_rows
 from nemo_gym_prorl.gym.venvs import SERVERS, ensure_venv_links
 from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
 from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, contiguity_violation
@@ -319,14 +322,15 @@ def test_venv_links_point_every_server_at_our_venv(tmp_path: Path) -> None:
     assert all(link.resolve() == Path(sys.prefix).resolve() and (link / "bin" / "activate").exists() for link in links)
 
 
-def test_a_task_with_a_tool_this_server_cannot_route_is_refused_at_start(tmp_path: Path) -> None:
+def test_the_server_routes_exactly_the_tools_of_its_task(tmp_path: Path) -> None:
     task = tmp_path / "with_editor.yaml"
     task.write_text(
         "name: math/with-editor\ntype: math\nprompt_template: '{question}'\ntools: [bash, str_replace_editor]\n"
         f"dataset: {{path: {REPO_ROOT / 'tasks/math/data/arithmetic.jsonl'}, id_key: id}}\n"
     )
-    with pytest.raises(ValueError, match="str_replace_editor"):
-        ProrlMathServer(
-            config=ProrlMathConfig(host="127.0.0.1", port=0, entrypoint="", name="prorl_math", task=str(task)),
-            server_client=MagicMock(spec=ServerClient),
-        )
+    app = ProrlMathServer(
+        config=ProrlMathConfig(host="127.0.0.1", port=0, entrypoint="", name="prorl_math", task=str(task)),
+        server_client=MagicMock(spec=ServerClient),
+    ).setup_webserver()
+    paths = {route.path for route in app.routes}
+    assert {"/bash", "/str_replace_editor"} <= paths and not {"/python", "/finish"} & paths

@@ -12,6 +12,7 @@ the episode; ``/verify`` grades it.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from nemo_gym.openai_utils import NeMoGymResponseCreateParamsNonStreaming
@@ -58,6 +59,27 @@ def _chat_message(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+def row_create_params(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A Gym row's ``responses_create_params`` (its first prompt and tools); a clear error when it has none."""
+    params = row.get("responses_create_params")
+    if not isinstance(params, dict):
+        raise ValueError("a Gym row needs responses_create_params with the input messages")
+    return params
+
+
+def row_prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A Gym row's first prompt as chat messages, converted as Gym's vllm_model converts a request's input."""
+    try:
+        request = NeMoGymResponseCreateParamsNonStreaming.model_validate(row_create_params(row))
+        chat = _RESPONSES_TO_CHAT.responses_to_chat_completion_create_params(request)
+    except (ValidationError, NotImplementedError) as e:
+        raise ValueError(f"responses_create_params: {e}") from e
+    messages = [_chat_message(m) for m in chat.model_dump(exclude_none=True)["messages"]]
+    if not messages:
+        raise ValueError("responses_create_params.input must be a string or a non-empty list of items")
+    return messages
+
+
 GYM_SERVER_KEEPALIVE_S = 30.0  # how long Gym's servers keep an idle connection (uvicorn's timeout_keep_alive there)
 
 
@@ -71,26 +93,11 @@ class GymResourcesEnvironment(Environment):
         self.url = task.resources_server_url.rstrip("/")
         self.http = JsonHttp(timeout_s=task.tool_timeout_s + 30, keepalive_s=GYM_SERVER_KEEPALIVE_S / 2)
 
-    @staticmethod
-    def _params(instance: TaskInstance) -> dict[str, Any]:
-        params = instance.data.get("responses_create_params")
-        if not isinstance(params, dict):
-            raise ValueError("a Gym row needs responses_create_params with the input messages")
-        return params
-
     def prompt_messages(self, instance: TaskInstance) -> list[dict[str, Any]]:
-        try:
-            request = NeMoGymResponseCreateParamsNonStreaming.model_validate(self._params(instance))
-            chat = _RESPONSES_TO_CHAT.responses_to_chat_completion_create_params(request)
-        except (ValidationError, NotImplementedError) as e:
-            raise ValueError(f"responses_create_params: {e}") from e
-        messages = [_chat_message(m) for m in chat.model_dump(exclude_none=True)["messages"]]
-        if not messages:
-            raise ValueError("responses_create_params.input must be a string or a non-empty list of items")
-        return messages
+        return row_prompt_messages(instance.data)
 
     def tool_schemas(self, instance: TaskInstance | None = None) -> list[dict[str, Any]]:
-        return chat_tools(self._params(instance).get("tools") or []) if instance is not None else []
+        return chat_tools(row_create_params(instance.data).get("tools") or []) if instance is not None else []
 
     async def init(self, instance: TaskInstance) -> Episode:
         response = await self.http.post(f"{self.url}/seed_session", instance.data)
@@ -113,7 +120,7 @@ class GymResourcesEnvironment(Environment):
         return {"output": gym_output_items(episode.messages), "cookies": episode.session}
 
     async def grade(self, instance: TaskInstance, submission: Submission) -> Evaluation:
-        params = self._params(instance)
+        params = row_create_params(instance.data)
         body = instance.data | {
             "response": {
                 "id": "resp_prorl",

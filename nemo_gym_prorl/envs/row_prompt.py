@@ -11,13 +11,11 @@ from typing import Any
 
 from nemo_gym_prorl.envs.base import Environment
 from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.gym_resources import GymResourcesEnvironment
+from nemo_gym_prorl.envs.gym_resources import row_prompt_messages
 
 
 class GymRowPrompt(Environment):
-    _params = staticmethod(GymResourcesEnvironment._params)
-
     def prompt_messages(self, instance: TaskInstance) -> list[dict[str, Any]]:
         if self.task.prompt_template or "responses_create_params" not in instance.data:
             return super().prompt_messages(instance)
-        return GymResourcesEnvironment.prompt_messages(self, instance)  # type: ignore[arg-type]
+        return row_prompt_messages(instance.data)

@@ -1,4 +1,4 @@
-"""Gym dataset rows from our tasks, and task instances back from Gym rows.
+"""Gym dataset rows from our tasks (task_server.instance_from_gym_row reads them back).
 
 A row is what Gym's agents POST to a resources server: `responses_create_params` (the task's first prompt and
 its tools, in the Responses API format) plus `instance_id` and the dataset row's own columns (`question`,
@@ -56,14 +56,6 @@ def task_rows(task_name: str, limit: int | None = None) -> list[dict[str, Any]]:
     task = load_task(task_name)
     env = make_environment(task, sandbox_backend="bwrap")
     return [gym_row(env, instance) for instance in load_instances(task.dataset, limit=limit)]
-
-
-def instance_from_row(row: Mapping[str, Any]) -> TaskInstance:
-    """The task instance a Gym row (or an environment server's `task_data`) carries."""
-    if row.get(INSTANCE_ID) is None:
-        raise ValueError(f"row has no {INSTANCE_ID!r}; make rows with nemo_gym_prorl.gym.rows (keys: {sorted(row)})")
-    data = {k: v for k, v in row.items() if k not in _GYM_KEYS and k != INSTANCE_ID and not k.startswith("_")}
-    return TaskInstance(instance_id=str(row[INSTANCE_ID]), data=data)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,11 +1,12 @@
 """Any of our task YAMLs as a NeMo Gym resources server: the environment behind seed_session, tool routes, verify.
 
-A server folder (``resources_servers/prorl_code``, ``prorl_stem``) is a thin config of this class: its ``task``
-names the YAML. One Gym session is one episode (a sandbox with the task staged), seeded with the whole dataset row
-(an agent's legacy ``/run``) or a ``ResourcesSeedSessionRequest`` (an environment server). The task's tools are
-routes (``/bash``, ``/python``, ``/str_replace_editor``, ``/finish``) that run in the session's sandbox.
-``/verify`` takes the ``finish`` answer, else the final assistant message, collects from the live sandbox (a
-file the answer names), closes it, and grades; a verify without a live session grades the response alone.
+A server folder (``resources_servers/prorl_math``, ``prorl_code``, ``prorl_stem``, ``prorl_swe``) is a thin config
+of this class: its ``task`` names the YAML. One Gym session is one episode (a sandbox with the task staged), seeded
+with the whole dataset row (an agent's legacy ``/run``) or a ``ResourcesSeedSessionRequest`` (an environment
+server; see ``row_session_server``). The task's tools are routes (``/bash``, ``/python``, ``/str_replace_editor``,
+``/finish``) that run in the session's sandbox. ``/verify`` takes the ``finish`` answer, else the final assistant
+message, collects from the live sandbox (a file the answer names), closes it, and grades; a verify without a live
+session grades the response alone.
 
 Rows are taken as Gym sends them: Gym's own rows (``responses_create_params``, ``verifier_metadata``, ``options``
 ...) need no ``instance_id`` (the task's id column, else a hash of the row, names the instance), and a task without
@@ -23,15 +24,9 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from nemo_gym.base_resources_server import (
     BaseResourcesServerConfig,
-    BaseRunRequest,
-    BaseSeedSessionResponse,
-    BaseVerifyRequest,
     BaseVerifyResponse,
     ResourcesCloseSessionRequest,
     ResourcesCloseSessionResponse,
-    ResourcesSeedSessionRequest,
-    ResourcesSeedSessionResponse,
-    SimpleResourcesServer,
 )
 from nemo_gym.server_utils import SESSION_ID_KEY
 from nemo_gym.verifier_fixture import VerifierFixture, exercise_verifier_fixture, load_verifier_fixture
@@ -41,6 +36,7 @@ from nemo_gym_prorl.envs import Environment, Episode, Evaluation, make_environme
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.gym.answers import AnswerSource, submitted_answer
+from nemo_gym_prorl.gym.row_session_server import RowSessionServer, RowVerifyRequest
 from nemo_gym_prorl.gym.sessions import EpisodeSessions, SessionClosedError, closing_on_shutdown
 from nemo_gym_prorl.tool_calls import ToolCall
 
@@ -51,14 +47,6 @@ _NOT_TASK_DATA = frozenset({"response", "agent_ref", "task_source", "skills_ref"
 class ProrlTaskConfig(BaseResourcesServerConfig):
     task: str  # a task YAML under tasks/ (or a path to one)
     sandbox_backend: str = "bwrap"
-
-
-class ProrlTaskRunRequest(BaseRunRequest):
-    model_config = ConfigDict(extra="allow")  # the dataset row's own columns
-
-
-class ProrlTaskVerifyRequest(ProrlTaskRunRequest, BaseVerifyRequest):
-    pass
 
 
 class ProrlTaskVerifyResponse(BaseVerifyResponse):
@@ -107,8 +95,7 @@ def instance_from_gym_row(env: Environment, row: dict[str, Any]) -> TaskInstance
     return TaskInstance(instance_id=str(instance_id), data=data)
 
 
-class ProrlTaskServer(SimpleResourcesServer):
-    ray_enabled = False
+class ProrlTaskServer(RowSessionServer):
     config: ProrlTaskConfig
     _sessions: EpisodeSessions = PrivateAttr()
 
@@ -146,19 +133,9 @@ class ProrlTaskServer(SimpleResourcesServer):
         route.__annotations__ = {"request": Request, "body": body_model, "return": ToolResponse}
         return route
 
-    async def seed_session(
-        self, request: Request, body: ResourcesSeedSessionRequest | ProrlTaskRunRequest
-    ) -> ResourcesSeedSessionResponse | BaseSeedSessionResponse:
-        if isinstance(body, ResourcesSeedSessionRequest):
-            request.session[SESSION_ID_KEY] = body.resources_session_id
-            await self._seed(body.resources_session_id, body.task_data)
-            return ResourcesSeedSessionResponse(resources_session_id=body.resources_session_id)
-        await self._seed(request.session[SESSION_ID_KEY], body.model_dump())
-        return BaseSeedSessionResponse()
-
-    async def _seed(self, session_id: str, row: dict[str, Any]) -> None:
+    async def seed_row(self, request: Request, row: dict[str, Any]) -> None:
         try:
-            await self._sessions.seed(session_id, instance_from_gym_row(self.env, row))
+            await self._sessions.seed(request.session[SESSION_ID_KEY], instance_from_gym_row(self.env, row))
         except SessionClosedError as e:
             raise HTTPException(409, str(e)) from None
         except ValueError as e:  # a row this task cannot use
@@ -168,7 +145,7 @@ class ProrlTaskServer(SimpleResourcesServer):
         await self._sessions.close(body.resources_session_id)
         return ResourcesCloseSessionResponse(resources_session_id=body.resources_session_id)
 
-    async def verify(self, request: Request, body: ProrlTaskVerifyRequest) -> ProrlTaskVerifyResponse:
+    async def verify(self, request: Request, body: RowVerifyRequest) -> ProrlTaskVerifyResponse:
         session_id = request.session[SESSION_ID_KEY]
         try:
             episode = await self._sessions.get(session_id)
@@ -176,7 +153,7 @@ class ProrlTaskServer(SimpleResourcesServer):
         finally:
             await self._sessions.close(session_id)  # grading ends the rollout
 
-    async def grade_row(self, body: ProrlTaskVerifyRequest, episode: Episode | None = None) -> ProrlTaskVerifyResponse:
+    async def grade_row(self, body: RowVerifyRequest, episode: Episode | None = None) -> ProrlTaskVerifyResponse:
         """Grade a verify request: with the session's live episode, or (None) from the response alone."""
         row = body.model_dump()
         episode = episode or Episode(instance=instance_from_gym_row(self.env, row), sandbox=None)
@@ -204,7 +181,7 @@ def verifier_fixture(server_factory: Callable[[], ProrlTaskServer], cases_path: 
     """NeMo Gym's verifier fixture over a task server: each case graded from its response alone (no session)."""
     return VerifierFixture(
         server_factory=server_factory,
-        request_model=ProrlTaskVerifyRequest,
+        request_model=RowVerifyRequest,
         cases_path=cases_path,
         invoke=lambda server, body: server.grade_row(body),  # type: ignore[attr-defined]
         reseed=lambda server, body: None,  # grading holds no state between requests
@@ -216,7 +193,7 @@ async def check_verifier_fixture(fixture: VerifierFixture, repeats: int = 10) ->
     `repeats` times more on one server: the same reward every time."""
     await exercise_verifier_fixture(fixture, reward_range=(0.0, 1.0), determinism="seeded")
     case = next(c for c in load_verifier_fixture(fixture.cases_path) if c.kind == "determinism")
-    server, request = fixture.server_factory(), ProrlTaskVerifyRequest.model_validate(case.request)
+    server, request = fixture.server_factory(), RowVerifyRequest.model_validate(case.request)
     rewards = {(await server.grade_row(request)).reward for _ in range(repeats)}  # type: ignore[attr-defined]
     if rewards != {case.expected_reward}:
         raise AssertionError(f"case {case.name!r}: rewards {sorted(rewards)} over {repeats} runs")

@@ -6,9 +6,9 @@ into /usr), with everything under /etc that other host users may not read hidden
 own. A directory image: that rootfs read-only as `/` (one mount, ~2.5 ms less to start than one per entry) when it
 has a directory for everything mounted over it; otherwise each of its top-level entries read-only (bwrap makes the
 missing mount points in its own root). Either way a fresh `/proc`, `/dev`, `/tmp` and `/dev/shm` (tmpfs of a quarter
-of the memory limit each; `/tmp` on the sandbox's disk when it has one), the workspace read-write at /workspace, the
-shell's control dir read-only at /.prorl, and `spec.binds`. Nothing else of the host is there: no /home, /root,
-/run, /sys, /var, no checkout.
+of the memory limit each; `/tmp` on the sandbox's disk when it has one), the workspace read-write at
+`spec.workspace` (/workspace unless set), the shell's control dir read-only at /.prorl, and `spec.binds`. Nothing
+else of the host is there: no /home, /root, /run, /sys, /var, no checkout.
 
 Start-up. A `sh`, started in a session of its own, joins the sandbox's cgroups, reopens its pty (which makes it
 the session's controlling terminal) and executes `setpriv` (as root), `unshare`, `bwrap` and the shell, which
@@ -37,7 +37,7 @@ on the same upper dir, which overlayfs does not allow — and it cannot join a n
 
 `fork(n)`: copy the workspace once into a snapshot (`cp --reflink=auto`: copy-on-write where the filesystem can, a
 plain copy on ext4) with every process of the sandbox frozen meanwhile (so none can swap a directory for a symlink
-to a host directory under `cp`), then start n sandboxes whose /workspace is an overlayfs with that snapshot as its
+to a host directory under `cp`), then start n sandboxes whose workspace is an overlayfs with that snapshot as its
 lower layer and an upper dir of their own, mounted inside their outer user namespace (bubblewrap 0.8 has no
 `--overlay`; rootless overlayfs needs Linux >= 5.11). A fork's writes land in its own upper dir, so neither the
 parent nor its siblings see them, and the snapshot, not the parent's workspace, is what forks read: the parent may
@@ -67,7 +67,6 @@ from typing import Any
 
 from nemo_gym_prorl.sandbox import disk
 from nemo_gym_prorl.sandbox.base import (
-    WORKSPACE,
     ExecResult,
     FileTooLargeError,
     NotARegularFileError,
@@ -146,7 +145,7 @@ class BwrapSandbox(SandboxLifecycle):
 
     @property
     def workspace(self) -> Path | None:
-        """Host directory mounted at /workspace. None before start, and for a fork, whose workspace is an overlay
+        """Host directory mounted at `spec.workspace`. None before start, and for a fork, whose workspace is an overlay
         that only its own mount namespace sees."""
         return self._root / "disk/workspace" if self._root is not None and self._snapshot is None else None
 
@@ -211,13 +210,13 @@ class BwrapSandbox(SandboxLifecycle):
         if host is not None:
             await asyncio.to_thread(host.write, path, data)
         else:
-            await self._join_file_io("write", lexical_relative(path), data)
+            await self._join_file_io("write", lexical_relative(path, self.spec.workspace), data)
 
     async def read_file(self, path: str) -> bytes:
         host = self._host_workspace()
         if host is not None:
             return await asyncio.to_thread(host.read, path)
-        return await self._join_file_io("read", lexical_relative(path), b"")
+        return await self._join_file_io("read", lexical_relative(path, self.spec.workspace), b"")
 
     async def fork(self, n: int, *, close: bool = False) -> list[BwrapSandbox]:
         """n started sandboxes, each with a copy-on-write copy of this one's workspace as it is now (and this
@@ -329,7 +328,7 @@ class BwrapSandbox(SandboxLifecycle):
         else:
             argv += ["--size", size, "--tmpfs", "/tmp"]
         workspace = root / ("merged" if self._snapshot is not None else "disk/workspace")
-        argv += ["--bind", str(workspace), WORKSPACE, "--ro-bind", str(root / "control"), CONTROL_DIR]
+        argv += ["--bind", str(workspace), self.spec.workspace, "--ro-bind", str(root / "control"), CONTROL_DIR]
         for bind in self.spec.binds:
             if not os.path.exists(bind.source):
                 raise SandboxError(f"bind source {bind.source!r} does not exist")
@@ -339,7 +338,7 @@ class BwrapSandbox(SandboxLifecycle):
             argv += ["--bind" if bind.writable else "--ro-bind", bind.source, bind.target]
         if not image_is_root:
             argv += ["--remount-ro", "/"]  # "/" itself is bwrap's tmpfs
-        argv += ["--chdir", WORKSPACE, "--clearenv"]
+        argv += ["--chdir", self.spec.workspace, "--clearenv"]
         for key, value in self._env().items():
             argv += ["--setenv", key, value]
         return [*argv, "--", *_SHELL]
@@ -367,8 +366,9 @@ class BwrapSandbox(SandboxLifecycle):
         if image_is_root:
             return ["--ro-bind", image, "/"]
         args = []
+        mounted_over = ("proc", "dev", "tmp", "sys", "workspace", CONTROL_DIR.lstrip("/"), self.spec.workspace[1:])
         for entry in sorted(os.scandir(image), key=lambda e: e.name):
-            if entry.name in ("proc", "dev", "tmp", "sys", "workspace", CONTROL_DIR.lstrip("/")):
+            if entry.name in mounted_over:
                 continue
             if entry.is_symlink():
                 args += ["--symlink", os.readlink(entry.path), f"/{entry.name}"]
@@ -382,7 +382,8 @@ class BwrapSandbox(SandboxLifecycle):
         image = self.spec.image
         if image is None:
             return False
-        targets = ["/proc", "/dev", "/tmp", WORKSPACE, CONTROL_DIR, *(bind.target for bind in self.spec.binds)]
+        binds = (bind.target for bind in self.spec.binds)
+        targets = ["/proc", "/dev", "/tmp", self.spec.workspace, CONTROL_DIR, *binds]
         return all(os.path.isdir(os.path.join(image, target.lstrip("/"))) for target in targets)
 
     def _check_reachable(self, path: str) -> None:
@@ -402,7 +403,7 @@ class BwrapSandbox(SandboxLifecycle):
             current = os.path.dirname(current)
 
     def _env(self) -> dict[str, str]:
-        return {"PATH": _PATH, "HOME": WORKSPACE, "LANG": "C.UTF-8", "TERM": "dumb", **self.spec.env}
+        return {"PATH": _PATH, "HOME": self.spec.workspace, "LANG": "C.UTF-8", "TERM": "dumb", **self.spec.env}
 
     # -- exec and file I/O through the join helper -------------------------------------------------------------
 
@@ -422,7 +423,7 @@ class BwrapSandbox(SandboxLifecycle):
             "cgroup_procs": self._cgroup.procs_files if self._cgroup is not None else [],
             "seccomp": str(self._root / "seccomp.bpf"),
             "rlimits": rlimits(self.spec.limits),
-            "cwd": WORKSPACE,
+            "cwd": self.spec.workspace,
             "env": self._env(),
             **extra,
         }
@@ -430,14 +431,14 @@ class BwrapSandbox(SandboxLifecycle):
         return await _run_helper(join_argv(sys.executable, request), data, timeout, limit)
 
     async def _join_file_io(self, op: str, rel: PurePosixPath, data: bytes) -> bytes:
-        path = f"{WORKSPACE}/{rel}"
+        path = f"{self.spec.workspace}/{rel}"
         max_read = self.spec.limits.max_read_mb * 2**20
         result, raw = await self._join(op, {"path": path, "max_read": max_read}, timeout=_FILE_IO_TIMEOUT_S, data=data)
         if result.exit_code == 0:
             return raw
         code, _, message = raw.decode(errors="replace").partition(":")
         if code == "outside":
-            raise PathOutsideWorkspaceError(f"path {str(rel)!r} resolves outside {WORKSPACE} (via a symlink)")
+            raise PathOutsideWorkspaceError(f"path {str(rel)!r} resolves outside {self.spec.workspace} (via a symlink)")
         if code == "special":
             raise NotARegularFileError(errno.EINVAL, f"a {message}, not a regular file; refused", path)
         if code == "large":
@@ -459,7 +460,7 @@ class BwrapSandbox(SandboxLifecycle):
             shell = self._running_shell()
             if not shell.alive:
                 await shell.start()
-            source = f"/proc/{_init_pid(shell.pid)}/root{WORKSPACE}"
+            source = f"/proc/{_init_pid(shell.pid)}/root{self.spec.workspace}"
         argv = ["cp", "-a", "--reflink=auto", f"{source}/.", f"{target}/"]
         async with self._frozen():
             returncode, stderr = await _run_to_completion(argv)
@@ -562,7 +563,8 @@ class BwrapSandbox(SandboxLifecycle):
         if self._snapshot is not None:
             return None
         max_read = self.spec.limits.max_read_mb * 2**20
-        return HostWorkspace(self._root / "disk/workspace", _NOBODY if self._as_root else None, max_read)
+        owner = _NOBODY if self._as_root else None
+        return HostWorkspace(self._root / "disk/workspace", owner, max_read, inside=self.spec.workspace)
 
 
 class _BwrapLauncher(ShellLauncher):

@@ -26,17 +26,12 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from nemo_gym.base_resources_server import (
     BaseResourcesServerConfig,
-    BaseRunRequest,
-    BaseSeedSessionResponse,
-    BaseVerifyRequest,
     BaseVerifyResponse,
     ResourcesCloseSessionRequest,
     ResourcesCloseSessionResponse,
-    ResourcesSeedSessionRequest,
-    ResourcesSeedSessionResponse,
-    SimpleResourcesServer,
 )
-from nemo_gym.server_utils import SESSION_ID_KEY, is_nemo_gym_fastapi_entrypoint
+from nemo_gym.server_utils import is_nemo_gym_fastapi_entrypoint
+from nemo_gym_prorl.gym.row_session_server import RowSessionServer, RowVerifyRequest
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 ADD_CALLS_KEY = "prorl_bench_add_calls"  # in the session cookie
@@ -47,13 +42,8 @@ class ProrlBenchConfig(BaseResourcesServerConfig):
     pass
 
 
-class ProrlBenchRunRequest(BaseRunRequest):
-    model_config = ConfigDict(extra="allow")  # the row: id, expected_answer, ...
+class ProrlBenchVerifyRequest(RowVerifyRequest):
     expected_answer: str
-
-
-class ProrlBenchVerifyRequest(ProrlBenchRunRequest, BaseVerifyRequest):
-    pass
 
 
 class ProrlBenchVerifyResponse(BaseVerifyResponse):
@@ -139,8 +129,7 @@ def final_answer(output: list[Any]) -> str | None:
     return None
 
 
-class ProrlBenchServer(SimpleResourcesServer):
-    ray_enabled = False
+class ProrlBenchServer(RowSessionServer):
     config: ProrlBenchConfig
     _events: EventLog = PrivateAttr(default_factory=_shared_event_log)
 
@@ -151,16 +140,9 @@ class ProrlBenchServer(SimpleResourcesServer):
         app.post("/bench/reset")(self.reset)
         return app
 
-    async def seed_session(
-        self, request: Request, body: ResourcesSeedSessionRequest | ProrlBenchRunRequest
-    ) -> ResourcesSeedSessionResponse | BaseSeedSessionResponse:
-        if isinstance(body, ResourcesSeedSessionRequest):
-            request.session[SESSION_ID_KEY] = body.resources_session_id
+    async def seed_row(self, request: Request, row: dict[str, Any]) -> None:
         request.session[ADD_CALLS_KEY] = 0
         self._events.append(Event.SEED)
-        if isinstance(body, ResourcesSeedSessionRequest):
-            return ResourcesSeedSessionResponse(resources_session_id=body.resources_session_id)
-        return BaseSeedSessionResponse()
 
     async def close_resources_session(self, body: ResourcesCloseSessionRequest) -> ResourcesCloseSessionResponse:
         return ResourcesCloseSessionResponse(resources_session_id=body.resources_session_id)  # nothing kept here
