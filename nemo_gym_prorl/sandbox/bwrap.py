@@ -76,6 +76,7 @@ from nemo_gym_prorl.sandbox.base import (
     with_note,
 )
 from nemo_gym_prorl.sandbox.disk import SandboxDisk
+from nemo_gym_prorl.sandbox.interrupts import interruptible_children
 from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle, to_thread_to_the_end
 from nemo_gym_prorl.sandbox.limits import (
     CGROUP_PREFIX,
@@ -582,8 +583,9 @@ class _BwrapLauncher(ShellLauncher):
 
     def spawn(self, tty: int) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            self.argv, stdin=tty, stdout=tty, stderr=tty, env=self.env, close_fds=True, start_new_session=True
-        )
+            self.argv, stdin=tty, stdout=tty, stderr=tty, env=self.env, close_fds=True, start_new_session=True,
+            preexec_fn=interruptible_children(),
+        )  # fmt: skip
 
     def members(self, pid: int) -> set[int]:
         try:
