@@ -3,7 +3,8 @@
 The patch goes through the chain SWE-bench's harness uses, each try on a clean tree: ``git apply -v``, then
 ``git apply -v --3way``, then ``patch --batch --forward --fuzz=5 -p1``. The files ``test_patch`` touches are put
 back to the base (the agent may have edited or deleted them) and ``test_patch`` applied; a row that carries its own
-SWE-bench eval script runs that instead (it applies ``test_patch`` itself). Tests write stdout and stderr to one
+SWE-bench eval script runs that as is instead (it applies ``test_patch`` itself; the row's ``base_commit`` in it
+names the staged base, whose history is squashed into one commit). Tests write stdout and stderr to one
 log, between swebench's start/end markers, with the test command's exit code after them.
 
 Grading is swebench's own (``swebench.harness``, 5.x): the row's log parser from ``PARSER_REGISTRY``,
@@ -13,7 +14,7 @@ the parsed test map equals their expected one.
 
 from __future__ import annotations
 
-import re
+import shlex
 import tempfile
 from typing import Any
 
@@ -34,15 +35,14 @@ from swebench.types import TestSpec
 
 from nemo_gym_prorl.envs.base import Evaluation
 from nemo_gym_prorl.envs.swe_rows import SweRow
-from nemo_gym_prorl.envs.swe_stage import WORKDIR
 from nemo_gym_prorl.sandbox import Sandbox
 
 _LOG = ".prorl-eval.log"
 _MODEL_PATCH, _TEST_PATCH = ".prorl-model.patch", ".prorl-test.patch"
 
 _APPLY = f"""set -u
-mkdir -p /tmp/prorl-eval && mv {WORKDIR}/{_MODEL_PATCH} {WORKDIR}/{_TEST_PATCH} /tmp/prorl-eval/
-cd {WORKDIR}
+cd "$1" && shift
+mkdir -p /tmp/prorl-eval && mv {_MODEL_PATCH} {_TEST_PATCH} /tmp/prorl-eval/
 clean() {{ git reset -q --hard && git clean -fdq; }}
 if [ -s /tmp/prorl-eval/{_MODEL_PATCH} ]; then
   p=/tmp/prorl-eval/{_MODEL_PATCH}
@@ -52,48 +52,45 @@ if [ -s /tmp/prorl-eval/{_MODEL_PATCH} ]; then
   else clean; echo "{APPLY_PATCH_FAIL}"; exit 10
   fi
 fi
-[ "$1" = own-tests ] || exit 0
-shift
+mode=$1 && shift
 for f in "$@"; do
   if git cat-file -e "HEAD:$f" 2>/dev/null; then git checkout -q HEAD -- "$f"; else rm -rf -- "$f"; fi
 done
-if [ -s /tmp/prorl-eval/{_TEST_PATCH} ]; then
+if [ "$mode" = own-tests ] && [ -s /tmp/prorl-eval/{_TEST_PATCH} ]; then
   git apply -v /tmp/prorl-eval/{_TEST_PATCH} || {{ echo "test_patch does not apply to the base"; exit 11; }}
 fi
 """
 
 
 class GradeSettings(BaseModel):
+    workdir: str
     test_command: str
     test_timeout_s: float
     apply_timeout_s: float
     partial_reward: bool
 
 
-def eval_script(row: SweRow, test_command: str) -> str:
-    """The bash the test run executes, its output all in one log."""
+def eval_script(row: SweRow, test_command: str, workdir: str, base: str) -> str:
+    """The bash the test run executes in `workdir`, its output all in one log."""
     if row.eval_script is not None:  # SWE-bench's own eval script (it applies test_patch and prints the markers)
-        body = "\n".join(_at_workdir(line) for line in row.eval_script)
+        body = "\n".join(row.eval_script)
+        body = body.replace(row.base_commit, base) if row.base_commit else body
     else:
         command = (row.test_command or test_command).format(
             **{k: v for k, v in row.fields.items() if isinstance(v, str)} | {"test_files": " ".join(row.test_files)}
         )
         body = (f"echo '{START_TEST_OUTPUT}'\n{command}\ncode=$?\necho '{END_TEST_OUTPUT}'\n"
                 f"echo '{TEST_EXIT_CODE}: '$code")  # fmt: skip
-    return f"cd {WORKDIR}\n{{\n{body}\n}} > {WORKDIR}/{_LOG} 2>&1\n"
+    return f"cd {shlex.quote(workdir)}\n{{\n{body}\n}} > {shlex.quote(f'{workdir}/{_LOG}')} 2>&1\n"
 
 
-def _at_workdir(line: str) -> str:
-    """SWE-bench scripts name /testbed; here the repository is the workspace (/opt/.../envs/testbed stays)."""
-    return re.sub(r"(?<![\w./-])/testbed\b", WORKDIR, line)
-
-
-async def evaluate(sandbox: Sandbox, row: SweRow, patch: str, settings: GradeSettings) -> Evaluation:
-    """Grade `patch` in `sandbox`, a fresh one with the base staged."""
+async def evaluate(sandbox: Sandbox, row: SweRow, patch: str, base: str, settings: GradeSettings) -> Evaluation:
+    """Grade `patch` in `sandbox`, a fresh one with the base commit `base` staged in `settings.workdir`."""
     await sandbox.write_file(_MODEL_PATCH, patch.encode())
     await sandbox.write_file(_TEST_PATCH, row.test_patch.encode())
-    mode = ["own-tests", *row.test_files] if row.eval_script is None else ["script"]
-    applied = await sandbox.exec(["bash", "-c", _APPLY, "prorl", *mode], timeout=settings.apply_timeout_s)
+    mode = "own-tests" if row.eval_script is None else "script"
+    argv = ["bash", "-c", _APPLY, "prorl", settings.workdir, mode, *row.test_files]
+    applied = await sandbox.exec(argv, timeout=settings.apply_timeout_s)
     apply_log = applied.output
     how = next((line.removeprefix(APPLY_PATCH_PASS).strip(" ()") for line in apply_log.splitlines()
                 if line.startswith(APPLY_PATCH_PASS)), None)  # fmt: skip
@@ -105,7 +102,8 @@ async def evaluate(sandbox: Sandbox, row: SweRow, patch: str, settings: GradeSet
     if applied.exit_code != 0:
         raise RuntimeError(f"preparing the evaluation failed (exit {applied.exit_code}): {apply_log[-2000:]}")
 
-    run = await sandbox.exec(["bash", "-c", eval_script(row, settings.test_command)], timeout=settings.test_timeout_s)
+    script = eval_script(row, settings.test_command, settings.workdir, base)
+    run = await sandbox.exec(["bash", "-c", script], timeout=settings.test_timeout_s)
     if run.timed_out:
         return _zero(details, f"the tests ran past their time limit of {settings.test_timeout_s:g} s", "")
     log = (await sandbox.read_file(_LOG)).decode(errors="replace")

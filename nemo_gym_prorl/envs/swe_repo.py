@@ -8,7 +8,8 @@
   offline suite under ``tasks/swe/`` is built on these, so the repository ships no sdists and runs offline once
   the cache holds them.
 - ``git:PATH``: a local git repository; its tree at the row's ``base_commit`` (``git archive``).
-- unset: the image already holds the repository at ``/testbed`` (SWE-bench, SWE-Gym and R2E-Gym images).
+- unset: the image already holds the repository at ``/testbed`` (SWE-bench, SWE-Gym and R2E-Gym images); its tree
+  is taken out of the image once (``swe_stage.image_tree``) and cached under ``images/``.
 
 Cache: ``$PRORL_SWE_CACHE``, else ``~/.cache/nemo-gym-prorl/swe``.
 """
@@ -83,7 +84,7 @@ def _sdist_tree(name: str, version: str, sha256: str) -> Path:
         if not tree.is_file():
             archive = fetch_sdist(name, version, sha256)
             tree.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(tree, normalised_tree(archive))
+            write_atomic(tree, normalised_tree(archive))
     return tree
 
 
@@ -130,7 +131,8 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     with os.fdopen(fd, "wb") as f:
         f.write(data)

@@ -2,14 +2,15 @@
 
 `start()` runs `apptainer instance start` with `--containall --no-home --writable-tmpfs --uts` (own pid, ipc, mount
 and UTS namespaces, clean environment, a throw-away writable layer over a read-only image), `--net --network none`
-unless `spec.network` (then the host's network is shared), a host temp dir bound read-write at /workspace, the
-shell's control dir bound read-only at /.prorl, and `spec.binds`. As root, the workspace, /tmp, /var/tmp and
-/dev/shm are on a filesystem of `limits.disk_mb` of the sandbox's own (`disk.py`): full is ENOSPC, not host disk or
-memory. The instance is a daemon, not our child: a watchdog (`watchdog.py`) kills its init if we die without closing
-it. The persistent shell (`PtyShell`) and every `exec()` are `apptainer exec instance://NAME ...` into it; closing
-kills the instance's init, which takes every process of its pid namespace along, and removes the temp dirs and the
-instance's log files. A shell that exits is replaced by a new one; an instance killed from the host (its init or
-Apptainer's monitor) is not: the command that ran and every later call raise SandboxError saying so.
+unless `spec.network` (then the host's network is shared), a host temp dir bound read-write at `spec.workspace`
+(/workspace unless set), the shell's control dir bound read-only at /.prorl, and `spec.binds`. As root, the
+workspace, /tmp, /var/tmp and /dev/shm are on a filesystem of `limits.disk_mb` of the sandbox's own (`disk.py`):
+full is ENOSPC, not host disk or memory. The instance is a daemon, not our child: a watchdog (`watchdog.py`) kills
+its init if we die without closing it. The persistent shell (`PtyShell`) and every `exec()` are `apptainer exec
+instance://NAME ...` into it; closing kills the instance's init, which takes every process of its pid namespace
+along, and removes the temp dirs and the instance's log files. A shell that exits is replaced by a new one; an
+instance killed from the host (its init or Apptainer's monitor) is not: the command that ran and every later call
+raise SandboxError saying so.
 
 Who runs inside: never the host's root.
 - Started as root, Apptainer runs privileged (no user namespace: as root, `--userns` maps the container's root to
@@ -64,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gym_prorl.sandbox import disk, images, seccomp
-from nemo_gym_prorl.sandbox.base import WORKSPACE, ExecResult, SandboxError, SandboxSpec, with_note
+from nemo_gym_prorl.sandbox.base import ExecResult, SandboxError, SandboxSpec, with_note
 from nemo_gym_prorl.sandbox.disk import SandboxDisk
 from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle, to_thread_to_the_end
 from nemo_gym_prorl.sandbox.limits import OutputCap, rlimits
@@ -191,7 +192,7 @@ class ApptainerSandbox(SandboxLifecycle):
 
     @property
     def workspace(self) -> Path | None:
-        """Host directory mounted at /workspace (None before start)."""
+        """Host directory mounted at `spec.workspace` (None before start)."""
         return self._workspace
 
     @property
@@ -385,7 +386,7 @@ class ApptainerSandbox(SandboxLifecycle):
         if self._disk is not None:  # /tmp, /var/tmp and /dev/shm on the sandbox's disk: filling them is "disk full"
             argv += ["--workdir", _bind_path(self._dir / "disk/scratch")]
             argv += ["--bind", f"{_bind_path(self._dir / 'disk/shm')}:/dev/shm:rw"]
-        argv += ["--bind", f"{_bind_path(self._workspace)}:{WORKSPACE}:rw"]
+        argv += ["--bind", f"{_bind_path(self._workspace)}:{self.spec.workspace}:rw"]
         argv += ["--bind", f"{_bind_path(self._control)}:{CONTROL_DIR}:ro"]
         for bind in self.spec.binds:
             argv += ["--bind", f"{_bind_path(bind.source)}:{_bind_path(bind.target)}:{'rw' if bind.writable else 'ro'}"]
@@ -460,7 +461,7 @@ class ApptainerSandbox(SandboxLifecycle):
         """argv on the host that runs `program` inside the instance, with the sandbox's user, limits and env."""
         assert self._apptainer is not None
         limits = self.spec.limits
-        argv = [self._apptainer, "-q", "exec", "--cleanenv", "--pwd", WORKSPACE]
+        argv = [self._apptainer, "-q", "exec", "--cleanenv", "--pwd", self.spec.workspace]
         if self._as_root:
             assert self._dir is not None
             argv += ["--security", f"seccomp:{self._dir / _SECCOMP_FILE}"]
@@ -473,7 +474,7 @@ class ApptainerSandbox(SandboxLifecycle):
         if self._as_root:
             values.pop("nproc", None)  # as uid 65534 in the host's user namespace it would count every sandbox
         argv += ["/usr/bin/prlimit", *(f"--{name}={soft}:{hard}" for name, (soft, hard) in values.items())]
-        env = {"PATH": _PATH, "HOME": WORKSPACE, "LANG": "C.UTF-8", "TERM": "dumb", **self.spec.env}
+        env = {"PATH": _PATH, "HOME": self.spec.workspace, "LANG": "C.UTF-8", "TERM": "dumb", **self.spec.env}
         argv += ["--", "/usr/bin/env", "-i", *(f"{key}={value}" for key, value in env.items())]
         return argv + program
 
@@ -534,7 +535,8 @@ class ApptainerSandbox(SandboxLifecycle):
         if self._workspace is None or self._close_task is not None:
             raise SandboxError("sandbox is not running")
         max_read = self.spec.limits.max_read_mb * 2**20
-        return HostWorkspace(self._workspace, SANDBOX_UID if self._as_root else None, max_read)
+        owner = SANDBOX_UID if self._as_root else None
+        return HostWorkspace(self._workspace, owner, max_read, inside=self.spec.workspace)
 
 
 def _seccomp_profile() -> dict[str, Any]:

@@ -7,11 +7,14 @@ idempotent and leaves no process, mount or temp dir behind, whatever happened be
 
 from __future__ import annotations
 
+import posixpath
 from typing import Protocol, Self
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 WORKSPACE = "/workspace"
+"""Where a sandbox's workspace is mounted unless its spec says otherwise (`SandboxSpec.workspace`)."""
+_RESERVED = ("/proc", "/dev", "/tmp", "/sys", "/.prorl")
 
 
 class SandboxLimits(BaseModel):
@@ -46,6 +49,23 @@ class SandboxSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     binds: list[BindMount] = Field(default_factory=list)
     limits: SandboxLimits = Field(default_factory=lambda: SandboxLimits())
+    workspace: str = Field(
+        WORKSPACE,
+        description="where the workspace is mounted inside (the shell's cwd and HOME; file paths are relative to "
+        "it); SWE-bench images and eval scripts expect /testbed. It hides what the image holds at that path",
+    )
+
+    @field_validator("workspace")
+    @classmethod
+    def _workspace_path(cls, path: str) -> str:
+        if not path.startswith("/") or path.startswith("//") or posixpath.normpath(path) != path or path == "/":
+            raise ValueError(f"workspace {path!r} must be a normalised absolute path below / (e.g. /testbed)")
+        if any(c in path for c in ",:\\\n"):
+            raise ValueError(f"workspace {path!r} contains ',', ':', '\\' or a newline (mount options split on them)")
+        clash = next((r for r in _RESERVED if path == r or path.startswith(r + "/") or r.startswith(path + "/")), None)
+        if clash is not None:
+            raise ValueError(f"workspace {path!r} would be mounted over or under {clash}, which the sandbox needs")
+        return path
 
 
 class ExecResult(BaseModel):

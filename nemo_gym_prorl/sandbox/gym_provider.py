@@ -11,24 +11,26 @@ the same pinned to bubblewrap. Both are published in the `nemo_gym.sandbox_provi
 
 Gym's spec maps onto ours: `image` (None: the host's /usr and /etc; a rootfs directory; a .sif for apptainer),
 `env`, `ttl_s` (wall-clock limit), `resources.memory_mib` (address-space limit), `workdir` (the default cwd of
-`exec`; created when under /workspace, otherwise it must exist in the image); `provider_options` may override the
-provider's `network`, `limits` and `binds`. `exec` runs `bash -c COMMAND` outside the persistent shell, with
-stdout and stderr apart (our sandboxes capture one stream; stderr goes through a temp file inside). Output is
-kept up to `limits.max_output_bytes` (head and tail). Commands run as the sandbox's one unprivileged user, so
-`user` is refused. Files move only inside /workspace (everything else in the sandbox is read-only); a relative
-path is relative to `workdir`. cpu/gpu/disk requests, ports and entrypoints are not supported and are logged.
+`exec`; created when under the workspace, otherwise it must exist in the image); `provider_options` may override the
+provider's `network`, `limits`, `binds` and `workspace` (where the workspace is mounted: /workspace unless set, e.g.
+/testbed for SWE-bench's eval scripts; it hides what the image holds there). `exec` runs `bash -c COMMAND` outside
+the persistent shell, with stdout and stderr apart (our sandboxes capture one stream; stderr goes through a temp
+file inside). Output is kept up to `limits.max_output_bytes` (head and tail). Commands run as the sandbox's one
+unprivileged user, so `user` is refused. Files move only inside the workspace (everything else in the sandbox is
+read-only); a relative path is relative to `workdir`. cpu/gpu/disk requests, ports and entrypoints are not supported
+and are logged.
 
 **Any Gym provider as our sandbox.** `GymProviderSandbox(spec, provider)` implements our `Sandbox` over a Gym
-provider (a name such as `"local"`, a `{name: kwargs}` config, or a provider object), so our environments run
-on any of them; `register_gym_backends()` makes each Gym provider available to `open_sandbox` as `gym:<name>`.
-Gym providers run one command per `exec` (`bash -c`), so the persistent shell is emulated: the cwd and the
-exported variables a command leaves behind are saved in the workspace's hidden `.prorl/shell/` and restored
-before the next one; unexported variables, functions, aliases, shell options and job control do not carry over.
-A timed-out command is killed by the provider, and the shell state stays as it was before that command. The
-workspace is the provider's working directory (`workdir`: /workspace for container providers given one, a
-host temp dir for `local`); paths under /workspace are mapped onto it. Every command carries the environment
-variable `PRORL_SANDBOX_ID`, and `close()` kills whatever process still carries it before the provider closes
-the sandbox, so background processes (the python tool's interpreter, say) do not outlive it even on `local`.
+provider (a name such as `"local"`, a `{name: kwargs}` config, or a provider object), so our environments run on any
+of them; `register_gym_backends()` makes each Gym provider available to `open_sandbox` as `gym:<name>`. Gym
+providers run one command per `exec` (`bash -c`), so the persistent shell is emulated: the cwd and the exported
+variables a command leaves behind are saved in the workspace's hidden `.prorl/shell/` and restored before the next
+one; unexported variables, functions, aliases, shell options and job control do not carry over. A timed-out command
+is killed by the provider, and the shell state stays as it was before that command. The workspace is the provider's
+working directory (`workdir`: our spec's `workspace` when that is not the default, else what the provider picks: a
+host temp dir for `local`); paths under the spec's `workspace` are mapped onto it. Every command carries the
+environment variable `PRORL_SANDBOX_ID`, and `close()` kills whatever process still carries it before the provider
+closes the sandbox, so background processes (the python tool's interpreter, say) do not outlive it even on `local`.
 Isolation, network and resource limits are whatever the provider enforces: Gym's `local` enforces none.
 `gym_apptainer_config()` is the config on which Gym's own `apptainer` provider runs here, with our Apptainer.
 """
@@ -116,10 +118,12 @@ class ProrlProvider:
         network: bool = False,
         limits: Mapping[str, Any] | None = None,
         binds: list[Mapping[str, Any]] | None = None,
+        workspace: str = WORKSPACE,
         default_timeout_s: float = 180.0,
     ) -> None:
         self.backend = backend
         self._network = network
+        self._workspace = workspace
         self._limits = SandboxLimits.model_validate(dict(limits or {}))
         self._binds = [BindMount.model_validate(dict(b)) for b in binds or []]
         self._default_timeout_s = default_timeout_s
@@ -133,7 +137,7 @@ class ProrlProvider:
         try:
             async with asyncio.timeout(spec.ready_timeout_s):
                 await sandbox.start()
-                workdir = await self._prepare_workdir(sandbox, spec.workdir)
+                workdir = await self._prepare_workdir(sandbox, sandbox.spec.workspace, spec.workdir)
         except BaseException as e:
             await sandbox.close()
             if isinstance(e, Exception) and not isinstance(e, SandboxCreateError):
@@ -229,6 +233,7 @@ class ProrlProvider:
         network = bool(options.pop("network", self._network))
         limits = {**self._limits.model_dump(), **dict(options.pop("limits", {}) or {})}
         binds = [BindMount.model_validate(dict(b)) for b in options.pop("binds", [])] or self._binds
+        workspace = str(options.pop("workspace", self._workspace))
         resources = spec.resources
         if spec.ttl_s:
             limits["wall_clock_s"] = float(spec.ttl_s)
@@ -255,15 +260,16 @@ class ProrlProvider:
             env=dict(spec.env),
             binds=binds,
             limits=SandboxLimits.model_validate(limits),
+            workspace=workspace,
         )
 
-    async def _prepare_workdir(self, sandbox: Sandbox, workdir: str | None) -> str:
-        path = posixpath.normpath(posixpath.join(WORKSPACE, workdir)) if workdir else WORKSPACE
-        in_workspace = PurePosixPath(path).is_relative_to(WORKSPACE)
+    async def _prepare_workdir(self, sandbox: Sandbox, workspace: str, workdir: str | None) -> str:
+        path = posixpath.normpath(posixpath.join(workspace, workdir)) if workdir else workspace
+        in_workspace = PurePosixPath(path).is_relative_to(workspace)
         result = await sandbox.exec(["mkdir", "-p", path] if in_workspace else ["test", "-d", path], timeout=60)
         if result.exit_code != 0:
             raise SandboxCreateError(
-                f"workdir {path} does not exist in the image (only directories under {WORKSPACE} are created): "
+                f"workdir {path} does not exist in the image (only directories under {workspace} are created): "
                 f"{result.output.strip()}"
             )
         return path
@@ -329,6 +335,8 @@ class GymProviderSandbox(SandboxLifecycle):
         self.spec = spec or SandboxSpec()
         self._provider_config = {provider: {}} if isinstance(provider, str) else provider
         self._provider: SandboxProvider | None = None
+        if workdir is None and self.spec.workspace != WORKSPACE:
+            workdir = self.spec.workspace
         self._requested_workdir = workdir
         self.workdir: str | None = None
         """The workspace as commands inside see it (the provider's working directory); None before start."""
@@ -446,9 +454,10 @@ class GymProviderSandbox(SandboxLifecycle):
         return self.workdir
 
     def _inside(self, path: str) -> str:
-        """`path` (relative to the workspace, or absolute under it or under /workspace) as an absolute path."""
+        """`path` (relative to the workspace, or absolute under it or under the spec's `workspace`) as an absolute
+        path."""
         workdir = self._live()
-        return f"{workdir}/{lexical_relative(path, workdir, aliases=(WORKSPACE,))}"
+        return f"{workdir}/{lexical_relative(path, workdir, aliases=(self.spec.workspace,))}"
 
     async def _exec(self, command: str, timeout: float) -> ExecResult:
         started = asyncio.get_running_loop().time()

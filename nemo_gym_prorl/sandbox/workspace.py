@@ -1,7 +1,7 @@
 """A sandbox's workspace from the host's side: paths confined to it, and files moved in and out without leaving it.
 
-Every backend gives its sandbox a workspace (`WORKSPACE`, /workspace, inside) and takes `write_file`/`read_file`
-paths relative to it or absolute under it. Two ways to check such a path:
+Every backend gives its sandbox a workspace (at `SandboxSpec.workspace` inside, /workspace unless set) and takes
+`write_file`/`read_file` paths relative to it or absolute under it. Two ways to check such a path:
 
 - `HostWorkspace`, for a workspace that is a host directory (a plain bwrap or Apptainer sandbox): `resolve()`
   rejects a path that leads outside, by `..` or through a symlink, and `write()`/`read()` walk to the file one
@@ -47,10 +47,14 @@ def lexical_relative(path: str, root: str = WORKSPACE, *, aliases: tuple[str, ..
 
 
 class HostWorkspace:
-    """The host directory a sandbox sees at /workspace; see the module docstring."""
+    """The host directory a sandbox sees as its workspace; see the module docstring."""
 
-    def __init__(self, directory: Path, owner_uid: int | None = None, max_read_bytes: int | None = None) -> None:
+    def __init__(
+        self, directory: Path, owner_uid: int | None = None, max_read_bytes: int | None = None, inside: str = WORKSPACE
+    ) -> None:
         self.directory = directory
+        self.inside = inside
+        """Where the sandbox sees the directory (`SandboxSpec.workspace`): absolute paths under it are accepted."""
         self.owner_uid = owner_uid
         """Host uid (and gid) that what `write()` creates is given to; None: left to the caller."""
         self.max_read_bytes = max_read_bytes
@@ -59,11 +63,11 @@ class HostWorkspace:
     def resolve(self, path: str) -> PurePosixPath:
         """`path` relative to the workspace, symlinks resolved; PathOutsideWorkspaceError if that leaves it."""
         root = os.path.realpath(self.directory)
-        resolved = os.path.realpath(os.path.join(root, _strip_root(path, (WORKSPACE,))))
+        resolved = os.path.realpath(os.path.join(root, _strip_root(path, (self.inside,))))
         if resolved == root:
             raise PathOutsideWorkspaceError(f"path {path!r} names the workspace itself, not a file in it")
         if not resolved.startswith(root + os.sep):
-            raise PathOutsideWorkspaceError(f"path {path!r} resolves outside {WORKSPACE} (via '..' or a symlink)")
+            raise PathOutsideWorkspaceError(f"path {path!r} resolves outside {self.inside} (via '..' or a symlink)")
         return PurePosixPath(os.path.relpath(resolved, root))
 
     def write(self, path: str, data: bytes) -> None:

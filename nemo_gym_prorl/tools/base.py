@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from nemo_gym_prorl.sandbox.base import WORKSPACE, Sandbox
+from nemo_gym_prorl.sandbox.base import WORKSPACE, Sandbox, SandboxSpec
 
 
 class ToolOutput(BaseModel):
@@ -56,8 +56,12 @@ def string_argument(arguments: dict[str, Any], key: str) -> str:
 def workspace_dir(sandbox: Sandbox) -> str:
     """The workspace as commands inside `sandbox` see it.
 
-    Our own backends mount it at /workspace. A sandbox over a NeMo Gym provider keeps it wherever that provider
-    puts its working directory (the host's temp dir, for Gym's `local`) and says so in its `workdir` attribute.
+    Our own backends mount it at their spec's `workspace` (/workspace unless set). A sandbox over a NeMo Gym provider
+    keeps it wherever that provider puts its working directory (the host's temp dir, for Gym's `local`) and says so
+    in its `workdir` attribute.
     """
     workdir = getattr(sandbox, "workdir", None)
-    return workdir if isinstance(workdir, str) and workdir.startswith("/") else WORKSPACE
+    if isinstance(workdir, str) and workdir.startswith("/"):
+        return workdir
+    spec = getattr(sandbox, "spec", None)
+    return spec.workspace if isinstance(spec, SandboxSpec) else WORKSPACE
