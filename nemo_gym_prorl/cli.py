@@ -41,9 +41,12 @@ commands:
   rollout   run rollouts with the configured task, model and sandbox, e.g.
             prorl rollout task=math model=local sandbox=bwrap n_samples=4 limit=8
             (service.url=http://host:8100 sends the jobs to a running `prorl serve` instead)
+  reverify  grade stored rollouts again with the current graders and print what changed, e.g.
+            prorl reverify outputs/rollout/.../rollouts.jsonl [task=math] [verifier.KEY=VALUE] [output=PATH]
   serve     the rollout service over HTTP (conf/serve.yaml), e.g. prorl serve service.port=8100
   bench     benchmarks: prorl bench model | pipeline | scale | throughput | tools | sandbox
   image     sandbox images: prorl image build [--sif]  (a Debian rootfs from the host's apt sources, cached)
+  view      the rollout viewer in the browser: prorl view outputs/rollout/.../rollouts.jsonl [--port 8300]
   data      NeMo RL datasets: prorl data export task=math/arithmetic split=train|validation output=FILE.jsonl
 
 `prorl rollout --help` / `prorl serve --help`: config groups and options (Hydra: --cfg job, -m, --config-dir).
@@ -211,8 +214,32 @@ def _hydra_raises() -> Iterator[None]:
             os.environ[FULL_ERROR_ENV] = saved
 
 
+def reverify(cfg: DictConfig) -> None:
+    from nemo_gym_prorl.reverify import ReverifyConfig, ReverifyError, reverify_file, task_name, with_verifier
+    from nemo_gym_prorl.service.job import TaskChoice
+
+    config = _validated(ReverifyConfig, cfg)
+    try:
+        name = task_name(config)
+        _in_own_folder(config.output)
+        located, task = locate_task(name, user_task_dirs())
+        config.task = TaskChoice(name=located)
+        task = with_verifier(task, config.verifier)
+        reverify_file(config, task, resolved_config("reverify", config, [task]))
+    except ReverifyError as e:
+        raise UsageError(str(e)) from None
+
+
 rollout_command = hydra_command("rollout", "config", rollout)
 serve_command = hydra_command("serve", "serve", serve)
+_reverify_app = hydra_command("reverify", "reverify", reverify)
+
+
+def reverify_command(args: list[str]) -> None:
+    """`prorl reverify ROLLOUTS.jsonl [key=value ...]`: the file, first, is Hydra's `input=`."""
+    if args and "=" not in args[0] and not args[0].startswith("-"):
+        args = ["input='" + args[0].replace("'", "\\'") + "'", *args[1:]]
+    _reverify_app(args)
 
 
 def bench_command(args: list[str]) -> None:
@@ -231,8 +258,18 @@ def image_command(args: list[str]) -> None:
     images.main(args[1:])
 
 
+def view_command(args: list[str]) -> None:
+    from nemo_gym_prorl.viewer.command import view
+    from nemo_gym_prorl.viewer.sources import RolloutFileError
+
+    try:
+        view(args)
+    except RolloutFileError as e:
+        raise UsageError(str(e)) from None
+
+
 COMMANDS = {"rollout": rollout_command, "serve": serve_command, "bench": bench_command, "image": image_command,
-            "swe": swe_command, "data": data_command}
+            "swe": swe_command, "data": data_command, "reverify": reverify_command, "view": view_command}
 
 
 def error_line(error: Exception) -> tuple[str, int]:

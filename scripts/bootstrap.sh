@@ -9,7 +9,8 @@ VENV=.venv
 STAMP="$VENV/.prorl-installed"
 
 need_apt=()
-for tool in bwrap:bubblewrap setpriv:util-linux prlimit:util-linux unshare:util-linux cmake:cmake g++:g++ make:make git:git; do
+for tool in bwrap:bubblewrap setpriv:util-linux prlimit:util-linux unshare:util-linux cmake:cmake g++:g++ make:make git:git \
+    chromium:chromium chromedriver:chromium-driver; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || need_apt+=("${tool#*:}")
 done
 # the sandbox's seccomp filter is compiled with libseccomp (through pyseccomp)

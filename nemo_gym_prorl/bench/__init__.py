@@ -18,7 +18,8 @@ def _lazy(module: str) -> Callable[[list[str]], None]:
 
 
 BENCHMARKS: dict[str, Callable[[list[str]], None]] = {
-    name: _lazy(name) for name in ("model", "pipeline", "scale", "tools", "sandbox", "throughput", "swe", "code")
+    name: _lazy(name)
+    for name in ("model", "pipeline", "scale", "tools", "sandbox", "throughput", "swe", "code", "viewer")
 }
 
 

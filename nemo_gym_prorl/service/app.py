@@ -6,6 +6,7 @@
 - Non-blocking jobs: ``POST /jobs`` → id; ``GET /jobs/{id}``; ``POST /jobs/{id}/cancel``; ``GET /jobs/{id}/stream``
   (NDJSON, one line per sample as it finishes).
 - ``POST /llm/pause`` / ``/llm/resume`` for weight sync; ``GET /metrics`` (Prometheus); the OpenAPI document.
+- ``/ui/``: the rollout viewer over the stored results, with live plots of the pipeline (``viewer/``).
 - NeMo Gym's agent ``POST /run`` and ``/aggregate_metrics`` live in ``gym_agent.py``.
 
 Bad input is a 4xx whose message names the field; an accepted job is durable before its id is returned.
@@ -26,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from nemo_gym_prorl.service.metrics import ServiceMetrics
 from nemo_gym_prorl.service.orchestrator import JobConflict, JobRequest, JobView, Orchestrator, RejectedJob
 from nemo_gym_prorl.service.trajectory import Trajectory
+from nemo_gym_prorl.viewer.service_ui import service_viewer
 
 
 class ProcessRequest(JobRequest):
@@ -223,4 +225,5 @@ def create_app(orchestrator: Orchestrator, token: str | None = None, max_body_by
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    app.mount("/ui", service_viewer(orchestrator, token))  # the rollout viewer, behind the same token
     return app

@@ -120,6 +120,15 @@ class JobStore:
         ).fetchall()
         return {sample: Trajectory.model_validate_json(text) for sample, text in rows}
 
+    def results_after(self, rowid: int) -> list[tuple[int, str, int, str | None, str]]:
+        """Results stored after SQLite row `rowid` (a rewritten result comes again, with a new row id), oldest first:
+        (rowid, job_id, sample, the job's task as requested, trajectory JSON). For readers that follow the store."""
+        return self._db.execute(
+            "SELECT results.rowid, results.job_id, sample, json_extract(request, '$.task'), trajectory "
+            "FROM results JOIN jobs ON jobs.job_id = results.job_id WHERE results.rowid > ? ORDER BY results.rowid",
+            (rowid,),
+        ).fetchall()
+
     def unfinished_jobs(self) -> list[StoredJob]:
         rows = self._db.execute(
             "SELECT job_id, request, n, state, created, updated FROM jobs WHERE state IN ('queued', 'running') "
