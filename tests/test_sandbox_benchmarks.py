@@ -51,5 +51,5 @@ def test_tools_benchmark_runs_and_ends_with_the_apptainer_ratio(sif: Path) -> No
 
 def test_sandbox_benchmark_runs_and_ends_with_the_fork_ratio(sif: Path) -> None:
     lines = bench("sandbox", "--rounds", "2", "--group", "2", "--files", "20", "--native-modules", "2", "--fork-rounds", "1")
-    assert sum(line.startswith("  ") and "total p50" in line for line in lines) == 3
+    assert sum(line.startswith("  ") and "total p50" in line for line in lines) == 4
     assert lines[-1].startswith("fork ratio (fresh / forked, time until all 2 ready): ")

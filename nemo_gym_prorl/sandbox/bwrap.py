@@ -173,7 +173,7 @@ class BwrapSandbox(SandboxLifecycle):
             _write_owner(self._root, [])
             self._prepare_host_dirs()
             if limits.disk_mb is not None and disk.available():
-                await to_thread_to_the_end(self._make_disk, limits.disk_mb)
+                await self._make_disk(limits.disk_mb)
             else:
                 self._make_writable_dirs()
             self._cgroup = SandboxCgroup.create(self._root.name, limits)
@@ -291,12 +291,19 @@ class BwrapSandbox(SandboxLifecycle):
         if self._disk is not None:
             (self._root / "disk/tmp").chmod(0o1777)
 
-    def _make_disk(self, size_mb: int) -> None:
-        """Give the sandbox's writable space a filesystem of its own (`disk.py`), mounted at `disk`."""
+    async def _make_disk(self, size_mb: int) -> None:
+        """Give the sandbox's writable space a filesystem of its own (`disk.py`), mounted at `disk`: a spare made
+        ahead, or else one made now (in a thread)."""
         assert self._root is not None
         owner = _NOBODY if self._as_root else None
-        self._disk = SandboxDisk.create(self._root, self._root / "disk", size_mb, owner)
+        self._disk = _DISK_SPARES.take(size_mb, owner, self._root / "disk")
+        if self._disk is None:
+            await to_thread_to_the_end(self._make_new_disk, size_mb, owner)
         self._make_writable_dirs()
+
+    def _make_new_disk(self, size_mb: int, owner: int | None) -> None:
+        assert self._root is not None
+        self._disk = SandboxDisk.create(self._root, self._root / "disk", size_mb, owner)
 
     def _argv(self) -> list[str]:
         assert self._root is not None
@@ -646,6 +653,10 @@ def _write_owner(root: Path, cgroup_dirs: list[str]) -> None:
 def _start_time(pid: int | str) -> str:
     with open(f"/proc/{pid}/stat", "rb") as f:
         return f.read().rsplit(b")", 1)[1].split()[19].decode()  # field 22: start time in clock ticks
+
+
+_DISK_SPARES = disk.DiskSpares(TEMP_PREFIX + "disks-", lambda root: _write_owner(root, []))
+"""Disks made ahead of sandboxes' starts, in a temp dir the orphan sweep knows (`disk.DiskSpares`)."""
 
 
 def sweep_orphans(temp_root: str | None = None) -> list[str]:
