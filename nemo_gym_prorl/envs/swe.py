@@ -156,7 +156,7 @@ class SweEnvironment(Environment):
             tree = await asyncio.to_thread(swe_repo.tree_tar, row.repo_source, row.base_commit)
         else:
             tree = await image_tree(self.sandbox_backend, image, WORKDIR, settings.stage_timeout_s)
-        env = {"PYTHONDONTWRITEBYTECODE": "1"}
+        env = {"PYTHONDONTWRITEBYTECODE": "1", "GIT_PAGER": "cat", "PAGER": "cat"}  # a pager would wait for a key
         spec = SandboxSpec(image=image, limits=self.task.limits, env=env, workspace=settings.workdir)
         sandbox = open_sandbox(self.sandbox_backend, spec)
         try:
