@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 # What a page shows in its own sections; the rest of a row's top-level keys is listed as it is.
 _SHOWN = {"messages", "tools", "evaluation", "timing", "response", "responses_create_params", "instance_id",
           "trajectory_id", "reward", "resolved", "finish", "critical_error", "error", "num_tool_calls",
-          "num_format_errors", "num_turns", "queued_time_s", "init_time_s", "run_time_s", "eval_time_s"}
+          "num_format_errors", "num_turns", "queued_time_s", "init_time_s", "run_time_s", "eval_time_s",
+          "submission", "reverify"}
 
 
 class TokenTexts:
@@ -79,6 +80,8 @@ def detail(summary: Summary, row: dict[str, Any], texts: TokenTexts) -> dict[str
         "final_answer": final_answer(row),
         "patch": patch(row),
         "error": row.get("error") or row.get("failure_reason"),
+        "submission": row.get("submission") if isinstance(row.get("submission"), dict) else None,
+        "reverify": row.get("reverify") if isinstance(row.get("reverify"), dict) else None,
         "tokenizer": texts.known and texts.error is None,
         "tokenizer_error": texts.error,
         "extra": {key: value for key, value in row.items() if key not in _SHOWN},

@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from nemo_gym_prorl.viewer.records import Summary
 
 NONE = "none"  # the filter value that matches rows where the field is unset (no critical error, no finish)
-SortKey = Literal["index", "reward", "instance_id", "task", "finish", "critical_error", "turns", "tool_calls",
-                  "format_errors", "seconds"]
+SortKey = Literal["index", "reward", "old_reward", "instance_id", "task", "finish", "critical_error", "turns",
+                  "tool_calls", "format_errors", "seconds"]
 
 
 class ListQuery(BaseModel):
@@ -21,6 +21,7 @@ class ListQuery(BaseModel):
     finish: str | None = Field(None, description=f"a finish value, or {NONE!r}")
     critical_error: str | None = Field(None, description=f"a critical error, or {NONE!r} for rollouts without")
     resolved: bool | None = None
+    changed: bool | None = Field(None, description="graded again by `prorl reverify`: reward or resolved changed")
     reward_min: float | None = None
     reward_max: float | None = None
     search: str | None = Field(None, description="part of an instance or trajectory id")
@@ -64,6 +65,7 @@ class Facets(BaseModel):
     tasks: dict[str, int]
     finishes: dict[str, int]
     critical_errors: dict[str, int]
+    regraded: int = Field(description="rows graded again by `prorl reverify` (they carry their old reward)")
 
 
 def _matches(row: Summary, query: ListQuery) -> bool:
@@ -74,6 +76,8 @@ def _matches(row: Summary, query: ListQuery) -> bool:
     if query.critical_error is not None and (row.critical_error or NONE) != query.critical_error:
         return False
     if query.resolved is not None and bool(row.resolved) != query.resolved:
+        return False
+    if query.changed is not None and bool(row.changed) != query.changed:
         return False
     if query.reward_min is not None and row.reward < query.reward_min:
         return False
@@ -133,4 +137,5 @@ def facets(rows: Sequence[Summary]) -> Facets:
             tasks[row.task] = tasks.get(row.task, 0) + 1
         finishes[row.finish or NONE] = finishes.get(row.finish or NONE, 0) + 1
         errors[row.critical_error or NONE] = errors.get(row.critical_error or NONE, 0) + 1
-    return Facets(total=len(rows), tasks=tasks, finishes=finishes, critical_errors=errors)
+    regraded = sum(1 for row in rows if row.old_reward is not None)
+    return Facets(total=len(rows), tasks=tasks, finishes=finishes, critical_errors=errors, regraded=regraded)

@@ -15,7 +15,7 @@ import math
 import re
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 STAGES = ("queued", "init", "run", "eval")
 _OBSERVATION = re.compile(r"^Observation \(([^)]*)\):\n", re.DOTALL)  # codeact tool results come as user messages
@@ -43,6 +43,8 @@ class Summary(BaseModel):
     tool_calls: int = 0
     format_errors: int = 0
     seconds: float = 0.0
+    old_reward: float | None = Field(None, description="graded again (`prorl reverify`): the reward it had")
+    changed: bool | None = Field(None, description="graded again: whether reward or resolved changed")
 
 
 def is_gym_row(row: dict[str, Any]) -> bool:
@@ -81,6 +83,7 @@ def summarize(index: int, row: dict[str, Any], task: str | None = None) -> Summa
     trajectory_id = str(row["trajectory_id"])
     job, colon, sample = trajectory_id.rpartition(":")
     turns = sum(1 for m in row.get("messages") or [] if m.get("role") == "assistant" and "generation_token_ids" in m)
+    regraded = row.get("reverify") if isinstance(row.get("reverify"), dict) else {}
     return Summary(
         index=index,
         trajectory_id=trajectory_id,
@@ -96,6 +99,8 @@ def summarize(index: int, row: dict[str, Any], task: str | None = None) -> Summa
         tool_calls=int(row.get("num_tool_calls") or 0),
         format_errors=int(row.get("num_format_errors") or 0),
         seconds=seconds,
+        old_reward=_number(regraded["old_reward"]) if "old_reward" in regraded else None,
+        changed=bool(regraded["changed"]) if "changed" in regraded else None,
     )
 
 
@@ -219,18 +224,26 @@ def _text(content: Any) -> str:
     return str(content)
 
 
+def _submission(row: dict[str, Any]) -> dict[str, Any]:
+    """What grading was given (the answer, the program, the patch), as the trajectory keeps it."""
+    return row["submission"] if isinstance(row.get("submission"), dict) else {}
+
+
 def final_answer(row: dict[str, Any]) -> str | None:
     evaluation = row.get("evaluation") or {}
-    for value in (evaluation.get("parsed_answer"), evaluation.get("extracted_answer"), row.get("extracted_answer")):
+    for value in (evaluation.get("parsed_answer"), evaluation.get("extracted_answer"), row.get("extracted_answer"),
+                  _submission(row).get("answer")):
         if value not in (None, ""):
             return str(value)
     return None
 
 
 def patch(row: dict[str, Any]) -> str | None:
-    """A SWE rollout's patch (the grader's ``evaluation.patch``, or Gym's ``model_patch``), for the diff view."""
+    """A SWE rollout's patch (what grading was given, the grader's ``evaluation.patch``, or Gym's ``model_patch``),
+    for the diff view."""
     evaluation = row.get("evaluation") or {}
-    for value in (evaluation.get("patch"), evaluation.get("model_patch"), row.get("model_patch")):
+    for value in (_submission(row).get("patch"), evaluation.get("patch"), evaluation.get("model_patch"),
+                  row.get("model_patch")):
         if isinstance(value, str) and value.strip():
             return value
     return None

@@ -58,6 +58,7 @@ async function loadFacets() {
   fillSelect($("#f-task"), facets.tasks);
   fillSelect($("#f-finish"), facets.finishes);
   fillSelect($("#f-critical_error"), facets.critical_errors);
+  document.body.classList.toggle("regraded", facets.regraded > 0);
   showProgress(facets);
   state.facetsDone = facets.complete;
   if (!facets.complete) setTimeout(loadFacets, 500);  // the rest of a long file is still being read
@@ -81,6 +82,7 @@ async function loadList() {
       <td>${row.index}</td><td>${esc(row.task)}</td><td class="instance">${esc(row.instance_id)}</td>
       <td>${row.sample ?? ""}</td>
       <td class="reward ${row.reward >= 1 ? "reward-1" : row.reward <= 0 ? "reward-0" : ""}">${fmt(row.reward)}</td>
+      <td class="old-reward regraded-only">${row.old_reward === null ? "" : fmt(row.old_reward)}${row.changed ? ` <span class="badge warn">changed</span>` : ""}</td>
       <td class="resolved">${row.resolved === null ? "" : row.resolved ? "yes" : "no"}</td>
       <td class="finish">${esc(row.finish)}</td>
       <td class="critical-error">${row.critical_error ? `<span class="badge bad">${esc(row.critical_error)}</span>` : ""}</td>
@@ -127,8 +129,9 @@ function timingBar(timing) {
 function spanChart(spans) {
   if (!spans.length) return `<p class="counts">no per-call timings in this row (timing.spans)</p>`;
   const end = Math.max(...spans.map((s) => (s.start_s || 0) + (s.duration_s || 0))) || 1;
-  const rows = spans.map((span) => {
-    const kind = ["model", "tool"].includes(span.name) ? span.name : "other";
+  const ordered = [...spans].sort((a, b) => (a.start_s || 0) - (b.start_s || 0));
+  const rows = ordered.map((span) => {
+    const kind = ["model", "tool", "init", "run", "eval"].includes(span.name) ? span.name : "other";
     const attributes = Object.entries(span.attributes || {}).map(([k, v]) => `${k}=${v}`).join(" ");
     const label = `${span.name} ${attributes}`.trim();
     const left = (100 * (span.start_s || 0)) / end;
@@ -203,6 +206,18 @@ function keyValues(object) {
   return `<dl class="kv">${rows.join("")}</dl>`;
 }
 
+function regradedView(again, evaluation) {
+  const reward = again.reward === null ? "not graded again" : fmt(again.reward);
+  return `<div class="panel" id="evaluation"><h3>graded again (prorl reverify)
+      ${again.changed ? `<span class="badge warn">changed</span>` : ""}${again.skipped ? ` <span class="badge">skipped: ${esc(again.skipped)}</span>` : ""}</h3>
+    <div class="side-by-side">
+      <div><h4>before: reward <b class="old-reward">${fmt(again.old_reward)}</b>, resolved ${again.old_resolved ? "yes" : "no"}</h4>
+        ${keyValues(again.old_evaluation || {})}</div>
+      <div><h4>now: reward <b class="new-reward">${reward}</b>, resolved ${again.resolved === null ? "–" : again.resolved ? "yes" : "no"}</h4>
+        ${keyValues(evaluation)}</div>
+    </div></div>`;
+}
+
 async function loadTrajectory(index) {
   const t = await api(`trajectories/${index}`);
   const s = t.summary;
@@ -221,7 +236,8 @@ async function loadTrajectory(index) {
     <div class="panel"><h3>timing: ${fmt(totalTime, 2)} s in stages</h3>${timingBar(t.timing)}${spanChart(t.spans)}</div>
     ${t.final_answer !== null ? `<div class="panel"><h3>final answer</h3><pre id="final-answer">${esc(t.final_answer)}</pre></div>` : ""}
     ${t.patch ? `<div class="panel"><h3>patch</h3>${diffView(t.patch)}</div>` : ""}
-    <div class="panel" id="evaluation"><h3>grader</h3>${keyValues(t.evaluation)}</div>
+    ${t.reverify ? regradedView(t.reverify, t.evaluation) : `<div class="panel" id="evaluation"><h3>grader</h3>${keyValues(t.evaluation)}</div>`}
+    ${t.submission ? `<div class="panel" id="submission"><h3>what grading was given</h3>${keyValues(t.submission)}</div>` : ""}
     <div id="conversation">${conversation}</div>
     ${t.tools.length ? `<div class="panel"><h3>tools offered</h3><pre>${esc(t.tools.map((x) => (x.function || x).name).join(", "))}</pre></div>` : ""}
     ${Object.keys(t.extra).length ? `<div class="panel"><h3>other fields</h3>${keyValues(t.extra)}</div>` : ""}
@@ -255,7 +271,7 @@ function plot(svg, series, colors) {
   const x = (t) => pad + ((t - t0) / (t1 - t0)) * (width - pad - 6);
   const y = (v) => height - pad + 6 - (v / yMax) * (height - pad - 4);
   const lines = series.map((s, i) => `<polyline fill="none" stroke="${colors[i]}" stroke-width="1.8"
-    data-name="${s.name}" points="${s.values.map(([t, v]) => `${x(t).toFixed(1)},${y(v).toFixed(1)}`).join(" ")}"/>`);
+    data-name="${s.name}" data-values="${s.values.map(([, v]) => v).join(" ")}" points="${s.values.map(([t, v]) => `${x(t).toFixed(1)},${y(v).toFixed(1)}`).join(" ")}"/>`);
   const labels = series.map((s, i) => `<text x="${pad + 70 * i}" y="10" style="fill:${colors[i]}">${s.name}</text>`);
   svg.innerHTML = `<line x1="${pad}" y1="${height - pad + 6}" x2="${width}" y2="${height - pad + 6}" stroke="#ccc"/>
     <text x="2" y="${y(yMax) + 4}">${fmt(yMax, 2)}</text><text x="2" y="${height - pad + 6}">0</text>
