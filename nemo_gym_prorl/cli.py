@@ -27,9 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
-from nemo_gym_prorl.data_export import data_command
 from nemo_gym_prorl.envs.task import TASKS_DIR, TaskConfig, TaskConfigError, load_task, task_path
-from nemo_gym_prorl.swe.command import swe_command
 
 # In a checkout nemo_gym_prorl/conf links to the top-level conf/; a wheel carries a copy.
 CONF_DIR = Path(str(importlib.resources.files("nemo_gym_prorl") / "conf"))
@@ -256,6 +254,18 @@ def image_command(args: list[str]) -> None:
     if not args or args[0] != "build":
         raise UsageError("image needs a subcommand: build")
     images.main(args[1:])
+
+
+def swe_command(args: list[str]) -> None:
+    from nemo_gym_prorl.swe.command import swe_command as run
+
+    run(args)
+
+
+def data_command(args: list[str]) -> None:
+    from nemo_gym_prorl.data_export import data_command as run
+
+    run(args)
 
 
 def view_command(args: list[str]) -> None:

@@ -32,7 +32,7 @@ AGENT_REF = "agent_ref"
 USAGE = """usage: prorl data export task=TASK split=train|validation output=FILE.jsonl [key=value ...]
 
 Writes a task's instances as NeMo Gym rows for NeMo RL's GRPO (data.train / data.validation: data_path, with
-dataset_name NemoGymDataset and processor nemo_gym_data_processor; conf/grpo/ recipes name them).
+dataset_name NemoGymDataset and processor nemo_gym_data_processor; recipes/grpo/ recipes name them).
 
   task=              a task under tasks/ (math/arithmetic) or a task YAML's path; several, comma-separated
                      (stem/algebra,stem/units): the rows of each in turn, each naming its own prorl_task

@@ -82,6 +82,21 @@ def test_help_lists_config_groups_and_options(command: str, groups: dict[str, st
     listed = dict(line.split(": ", 1) for line in result.stdout.split("== Config ==")[0].splitlines() if ": " in line)
     assert all(option in listed.get(group, "").split(", ") for group, option in groups.items()), result.stdout
     assert all(option in result.stdout for option in options), result.stdout
+    assert "grpo" not in listed, result.stdout  # NeMo RL's recipes are not a config group of ours
+
+
+HEAVY = ["nemo_gym", "nemo_gym_prorl.envs.base", "nemo_gym_prorl.tools", "nemo_gym_prorl.service.job", "swebench"]
+
+
+@pytest.mark.parametrize("args", [["--help"], ["rollout", "--help"], ["rollout", "task=nope"], ["data", "--help"]])
+def test_help_and_errors_import_only_what_they_need(args: list[str], tmp_path: Path) -> None:
+    """Help and a bad override answer without importing the environments, tools, service or NeMo Gym (seconds)."""
+    program = "import sys; sys.argv[0] = 'prorl'; from nemo_gym_prorl.cli import main; main()"
+    result = subprocess.run([sys.executable, "-X", "importtime", "-c", program, *args], capture_output=True,
+                            text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert result.returncode == (2 if "task=nope" in args else 0), result.stderr[-2000:]
+    assert imported and [module for module in HEAVY if module in imported] == [], result.stderr[-2000:]
 
 
 def test_cfg_job_prints_the_composed_config_and_runs_nothing(tmp_path: Path) -> None:
@@ -108,8 +123,10 @@ def test_sweep_writes_each_run_with_its_resolved_config(standin_model: list[str]
     assert sorted(seeds) == [3, 4]
 
 
-def test_a_task_in_the_users_config_dir_runs(standin_model: list[str], tmp_path: Path) -> None:
-    """`--config-dir DIR`: DIR/task/mine.yaml picks the task, DIR/tasks/mine/easy.yaml is the task YAML, with data."""
+@pytest.mark.parametrize("how", ["--config-dir", "hydra.searchpath"])
+def test_a_task_in_the_users_config_dir_runs(how: str, standin_model: list[str], tmp_path: Path) -> None:
+    """`--config-dir DIR` or `hydra.searchpath=[file://DIR]`: DIR/task/mine.yaml picks the task,
+    DIR/tasks/mine/easy.yaml is the task YAML, with data."""
     conf = tmp_path / "my_conf"
     (conf / "task").mkdir(parents=True)
     (conf / "task/mine.yaml").write_text("name: mine/easy\n")
@@ -120,7 +137,8 @@ def test_a_task_in_the_users_config_dir_runs(standin_model: list[str], tmp_path:
         "tools: [finish]\nmax_turns: 2\nverifier: {answer_key: answer}\n"
     )
     output = tmp_path / "mine.jsonl"
-    result = prorl("rollout", "--config-dir", str(conf), "task=mine", *standin_model, f"output={output}", cwd=tmp_path)
+    user_dir = ["--config-dir", str(conf)] if how == "--config-dir" else [f"hydra.searchpath=[file://{conf}]"]
+    result = prorl("rollout", *user_dir, "task=mine", *standin_model, f"output={output}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     [trajectory] = [Trajectory.model_validate_json(line) for line in output.read_text().splitlines()]
     assert trajectory.instance_id == "easy-0" and trajectory.reward == 1.0, trajectory.evaluation

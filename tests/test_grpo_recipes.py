@@ -1,4 +1,4 @@
-"""conf/grpo/: NeMo RL GRPO recipes that train through NeMo Gym and our agents.
+"""recipes/grpo/: NeMo RL GRPO recipes that train through NeMo Gym and our agents.
 
 NeMo RL is not installable here (its PyPI package is a placeholder), so the recipes are composed the way its
 `nemo_rl.utils.config.load_config` composes them — `defaults:` (a file or a list, relative to the recipe), a
@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from nemo_gym_prorl.envs.task import load_task, task_path
 
 REPO = Path(__file__).resolve().parents[1]
-GRPO = REPO / "conf" / "grpo"
+GRPO = REPO / "recipes" / "grpo"
 PLUGIN_ROOT = REPO / "nemo_gym_prorl" / "gym"
 VLLM_FOR_TRAINING = "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml"
 

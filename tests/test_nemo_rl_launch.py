@@ -40,7 +40,7 @@ def test_launch_links_venvs_writes_the_rows_and_starts_nemo_rl_with_the_recipe(t
     assert "PRORL_SERVICE_TOKEN=<set>" in done.stdout and "secret" not in done.stdout
 
     started = json.loads(record.read_text())
-    assert started["argv"][1:] == ["--config", str(REPO / "conf/grpo/math.yaml"), "++grpo.max_num_steps=3"]
+    assert started["argv"][1:] == ["--config", str(REPO / "recipes/grpo/math.yaml"), "++grpo.max_num_steps=3"]
     assert Path(started["cwd"]) == nemo_rl
     assert started["env"] == {"NEMO_RL_DIR": str(nemo_rl), "PRORL_DATA_DIR": str(data),
                               "NEMO_GYM_EXTRA_ROOTS": str(PLUGIN_ROOT), "NEMO_GYM_VENV_DIR": str(venvs),
@@ -65,7 +65,7 @@ def test_the_swe_recipe_relays_to_the_service_url_given(tmp_path: Path) -> None:
     assert cd == f"cd {tmp_path}"
     assert nemo_rl.split() == [
         "uv", "run", "python", "examples/nemo_gym/run_grpo_nemo_gym.py",
-        "--config", str(REPO / "conf/grpo/swe_async.yaml"),
+        "--config", str(REPO / "recipes/grpo/swe_async.yaml"),
         "++env.nemo_gym.prorl_service_agent.responses_api_agents.prorl_service.url=http://rollout-0:8100",
         "++grpo.max_num_steps=3",
     ]  # fmt: skip

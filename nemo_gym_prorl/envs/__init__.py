@@ -1,26 +1,44 @@
-"""Task environments, by task type."""
+"""Task environments, by task type.
+
+Each type's module is imported when the first environment of that type is made, and `Environment`, `Episode` and
+`Evaluation` when first asked for: they bring in the tools, the graders and NeMo Gym (seconds), which a command that
+only reads task YAMLs (`prorl ... --help`, a config error) does not need.
+"""
 
 from __future__ import annotations
 
-from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation
-from nemo_gym_prorl.envs.code import CodeEnvironment
-from nemo_gym_prorl.envs.gym_resources import GymResourcesEnvironment
-from nemo_gym_prorl.envs.math import MathEnvironment
-from nemo_gym_prorl.envs.stem import StemEnvironment
-from nemo_gym_prorl.envs.swe import SweEnvironment
-from nemo_gym_prorl.envs.task import TaskConfig
+import importlib
+from typing import TYPE_CHECKING, Any
 
-_TYPES: dict[str, type[Environment]] = {
-    "math": MathEnvironment,
-    "gym": GymResourcesEnvironment,
-    "code": CodeEnvironment,
-    "stem": StemEnvironment,
-    "swe": SweEnvironment,
+if TYPE_CHECKING:
+    from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation
+    from nemo_gym_prorl.envs.task import TaskConfig
+
+_TYPES: dict[str, str] = {
+    "math": "nemo_gym_prorl.envs.math:MathEnvironment",
+    "gym": "nemo_gym_prorl.envs.gym_resources:GymResourcesEnvironment",
+    "code": "nemo_gym_prorl.envs.code:CodeEnvironment",
+    "stem": "nemo_gym_prorl.envs.stem:StemEnvironment",
+    "swe": "nemo_gym_prorl.envs.swe:SweEnvironment",
 }
+"""Task type -> the environment class that runs it, as module:class."""
+
+
+def environment_class(task_type: str) -> type[Environment]:
+    module, _, name = _TYPES[task_type].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def make_environment(task: TaskConfig, sandbox_backend: str) -> Environment:
-    return _TYPES[task.type](task, sandbox_backend)
+    return environment_class(task.type)(task, sandbox_backend)
 
 
-__all__ = ["Environment", "Episode", "Evaluation", "make_environment"]
+def __getattr__(name: str) -> Any:
+    if name in ("Environment", "Episode", "Evaluation"):
+        from nemo_gym_prorl.envs import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Environment", "Episode", "Evaluation", "environment_class", "make_environment"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A NeMo RL GRPO run through NeMo Gym and our rollout agents, from one of the recipes in conf/grpo/.
+# A NeMo RL GRPO run through NeMo Gym and our rollout agents, from one of the recipes in recipes/grpo/.
 #
 # Run it where NeMo RL's driver runs: the machine itself for one node, or as the COMMAND of NeMo RL's ray.sub on
 # a Slurm allocation (scripts/nemo_rl/launch_slurm.sh). It
@@ -15,7 +15,7 @@
 #   scripts/nemo_rl/launch.sh --recipe math --nemo-rl-dir ~/RL --dry-run -- ++grpo.max_num_steps=5
 #
 # Options (environment variables of the same meaning in brackets):
-#   --recipe NAME          a recipe under conf/grpo/ (math, code, stem, swe; each also NAME_async)
+#   --recipe NAME          a recipe under recipes/grpo/ (math, code, stem, swe; each also NAME_async)
 #   --nemo-rl-dir DIR      NeMo RL's checkout [NEMO_RL_DIR]
 #   --data-dir DIR         where the rows go [PRORL_DATA_DIR; default <this checkout>/results/nemo_rl_data]
 #   --service-url URL      the relay's `prorl serve` (swe recipes: rollouts on the rollout nodes)
@@ -50,19 +50,19 @@ while [[ $# -gt 0 ]]; do
 done
 OVERRIDES=("$@")
 
-# Each task type: its task and the agent that runs its rows; its recipes: conf/grpo/<type>.yaml, <type>_async.yaml.
+# Each task type: its task and the agent that runs its rows; its recipes: recipes/grpo/<type>.yaml, <type>_async.yaml.
 declare -A TASKS=([math]=math/arithmetic [code]=code/humaneval [swe]=swe/offline
                   [stem]=stem/algebra,stem/decimals,stem/geometry,stem/units)
 declare -A AGENTS=([math]=prorl_agent [code]=prorl_agent [stem]=prorl_agent [swe]=prorl_service_agent)
 recipes=""
 for type in $(printf '%s\n' "${!TASKS[@]}" | sort); do
-  for name in "$type" "${type}_async"; do [[ -f "$PRORL_ROOT/conf/grpo/$name.yaml" ]] && recipes+="$name "; done
+  for name in "$type" "${type}_async"; do [[ -f "$PRORL_ROOT/recipes/grpo/$name.yaml" ]] && recipes+="$name "; done
 done
 [[ -n "$RECIPE" ]] || usage_error "--recipe is required: one of ${recipes% }"
 TASK_TYPE="${RECIPE%_async}"
 [[ " $recipes" == *" $RECIPE "* ]] || usage_error "unknown recipe '$RECIPE': one of ${recipes% }"
 [[ -n "$NEMO_RL_DIR" ]] || usage_error "NeMo RL's checkout is needed: --nemo-rl-dir DIR or NEMO_RL_DIR"
-RECIPE_FILE="$PRORL_ROOT/conf/grpo/$RECIPE.yaml"
+RECIPE_FILE="$PRORL_ROOT/recipes/grpo/$RECIPE.yaml"
 TASK="${TASKS[$TASK_TYPE]}"
 AGENT="${AGENTS[$TASK_TYPE]}"
 if [[ "$AGENT" == prorl_service_agent ]]; then
