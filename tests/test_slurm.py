@@ -1,0 +1,127 @@
+"""The Slurm launch for real: scripts/slurm/prorl_ray.sbatch submitted to a one-node Slurm cluster this module starts
+from Debian's slurm-wlm and munge (tests/slurm_cluster.py). The job starts a Ray head and a second Ray node on the
+host, then `prorl serve ray.address=...`; the service answers with both Ray nodes' sandbox slots and runs a job in
+bubblewrap sandboxes on the workers; scancel, with rollouts live, leaves no process of the job behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from slurm_cluster import SlurmCluster, free_port, slurm_cluster
+from standin_helpers import running_standin
+
+from nemo_gym_prorl.service.client import RolloutClient
+from nemo_gym_prorl.service.orchestrator import JobRequest
+from tests.test_service import ROW, SCRIPT
+
+ROOT = Path(__file__).resolve().parents[1]
+SBATCH = ROOT / "scripts" / "slurm" / "prorl_ray.sbatch"
+TOKEN = "slurm-test-token"
+SLOTS_PER_WORKER = 3
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[str]:
+    """The stand-in model answers each turn after 2 s, so rollouts are still live when the job is cancelled."""
+    yield from running_standin(SCRIPT, latency_s=2.0)
+
+
+@pytest.fixture
+def ray_dir() -> Iterator[Path]:
+    """Ray's session folder: short, since its socket paths must fit in 107 bytes (pytest's tmp_path is too deep)."""
+    path = Path(tempfile.mkdtemp(prefix="prorl-ray-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_for_url(cluster: SlurmCluster, job_id: str, output: Path, timeout_s: float = 300) -> str:
+    """The URL the job prints once the service answers; fails with the job's output if it ends or never prints."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = output.read_text() if output.exists() else ""
+        if match := re.search(r"^PRORL_SERVICE_URL=(\S+)$", text, re.MULTILINE):
+            return match.group(1)
+        state = cluster.job_state(job_id)
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), f"job {state}:\n{text[-4000:]}"
+        time.sleep(1)
+    pytest.fail(f"no service URL after {timeout_s} s:\n{output.read_text()[-4000:]}")
+
+
+async def wait_for_nodes(client: RolloutClient, count: int, timeout_s: float = 120) -> dict[str, dict[str, int]]:
+    """/status's Ray nodes once `count` of them have workers (the head looks for nodes every ray.node_poll_s)."""
+    async with asyncio.timeout(timeout_s):
+        while len(nodes := (await client.status())["workers"]["nodes"]) < count:
+            await asyncio.sleep(0.5)
+    return nodes
+
+
+def names(processes: list[psutil.Process]) -> list[str]:
+    found = []
+    for process in processes:
+        try:
+            found.append(" ".join(process.cmdline()[:3]) or process.name())
+        except psutil.Error:
+            pass
+    return found
+
+
+async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
+    cluster: SlurmCluster, model: str, ray_dir: Path, tmp_path: Path
+) -> None:
+    output = tmp_path / "job.out"
+    env = {
+        "PRORL_ROOT": str(ROOT),
+        "PRORL_SERVICE_TOKEN": TOKEN,
+        "PORT": str(free_port()),
+        "RAY_PORT": str(free_port()),
+        "RAY_NODES_PER_HOST": "2",  # a head and one more Ray node, both on this one Slurm node
+        "RAY_CPUS_PER_NODE": "1",
+        "RAY_OBJECT_STORE_MB": "100",
+        "RAY_TEMP_DIR": str(ray_dir),
+        "RUN_DIR": str(tmp_path / "run"),
+        "WORKERS_PER_NODE": "1",
+        "SLOTS_PER_WORKER": str(SLOTS_PER_WORKER),
+        "MODEL_ADDRESSES": f"[{model}]",
+        "SERVE_OVERRIDES": "model.served_model_name=standin model.tool_call_format=codeact",
+    }
+    job_id = cluster.sbatch(SBATCH, "--nodes=1", f"--output={output}", f"--chdir={tmp_path}", env=env)
+    url = wait_for_url(cluster, job_id, output)
+    assert (tmp_path / "run" / "service.url").read_text().strip() == url
+
+    async with RolloutClient(url, TOKEN, timeout_s=120) as client:
+        nodes = await wait_for_nodes(client, 2)
+        assert [node["slots"] for node in nodes.values()] == [SLOTS_PER_WORKER, SLOTS_PER_WORKER]
+        done = await client.wait(await client.submit(JobRequest(instance=ROW, n=2)))
+        assert done.state == "done"
+        assert [(t.reward, t.critical_error) for t in done.results] == [(1.0, None), (1.0, None)]
+
+        await client.submit(JobRequest(instance=ROW, n=2))
+        async with asyncio.timeout(60):
+            while (await client.status())["stages"]["run"]["active"] < 2:
+                await asyncio.sleep(0.2)
+        live = cluster.job_processes()
+        started = names(live)
+        assert sum("raylet" in name for name in started) == 2, started
+        assert any("prorl serve" in name for name in started), started
+        assert any(name.startswith("bwrap") for name in started), started  # rollouts live in the job's sandboxes
+
+    cluster.run("scancel", job_id)
+    gone, alive = psutil.wait_procs(live, timeout=3 * cluster.kill_wait_s + 30)
+    assert names(alive) == []
+    assert names(cluster.job_processes()) == []  # nothing started later either
+    assert cluster.wait_ended(job_id) == "CANCELLED"
