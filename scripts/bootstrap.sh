@@ -10,7 +10,7 @@ STAMP="$VENV/.prorl-installed"
 
 need_apt=()
 for tool in bwrap:bubblewrap setpriv:util-linux prlimit:util-linux unshare:util-linux cmake:cmake g++:g++ make:make git:git \
-    chromium:chromium chromedriver:chromium-driver; do
+    chromium:chromium chromedriver:chromium-driver munged:munge slurmctld:slurm-wlm slurmd:slurm-wlm; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || need_apt+=("${tool#*:}")
 done
 # the sandbox's seccomp filter is compiled with libseccomp (through pyseccomp)
