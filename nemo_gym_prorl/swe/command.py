@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-SUBCOMMANDS = ("generate",)
+SUBCOMMANDS = {"generate": "nemo_gym_prorl.swe.generate", "check": "nemo_gym_prorl.swe.check"}
 
 
 def swe_command(args: list[str]) -> None:
     if not args or args[0] not in SUBCOMMANDS:
-        print(f"prorl swe: a subcommand is needed: {', '.join(SUBCOMMANDS)} (prorl swe generate --help)", file=sys.stderr)
+        names = ", ".join(SUBCOMMANDS)
+        print(f"prorl swe: a subcommand is needed: {names} (prorl swe generate --help)", file=sys.stderr)
         raise SystemExit(2)
-    from nemo_gym_prorl.swe.generate import main
-
-    main(args[1:])
+    code = importlib.import_module(SUBCOMMANDS[args[0]]).main(args[1:])
+    if code:
+        raise SystemExit(code)

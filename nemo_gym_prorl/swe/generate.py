@@ -31,9 +31,10 @@ from nemo_gym_prorl.envs import swe_repo
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.envs.swe import SweEnvironment
 from nemo_gym_prorl.envs.swe_rows import parse_row
-from nemo_gym_prorl.envs.swe_stage import stage_repository
+from nemo_gym_prorl.envs.swe_stage import WORKDIR, stage_repository
 from nemo_gym_prorl.envs.task import DatasetConfig, TaskConfig
 from nemo_gym_prorl.sandbox import SandboxLimits, SandboxSpec, open_sandbox
+from nemo_gym_prorl.swe.check import check_instance
 from nemo_gym_prorl.swe.mutations import Mutation, mutations
 
 _RUN_LOG = ".prorl-gen.log"
@@ -124,13 +125,13 @@ async def generate_project(suite: Suite, project: Project, image: str | None, lo
     tree = await asyncio.to_thread(swe_repo.tree_tar, source)
     files = _tree_files(tree)
     spec = SandboxSpec(image=image, limits=SandboxLimits(wall_clock_s=7200, memory_mb=2048),
-                       env={"PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
+                       env={"PYTHONDONTWRITEBYTECODE": "1"}, workspace=WORKDIR)  # fmt: skip
     rng = random.Random(f"{suite.seed}:{project.name}")
     candidates = [(module, m) for module in project.modules for m in mutations(files[module])]
     rng.shuffle(candidates)
     rows: list[dict] = []
     async with open_sandbox("bwrap", spec) as sandbox:
-        await stage_repository(sandbox, tree, "", 300)
+        await stage_repository(sandbox, WORKDIR, tree, "", 300)
         first, second = await _test_statuses(sandbox, project.tests), await _test_statuses(sandbox, project.tests)
         baseline = _passing(first) & _passing(second)
         log(f"{project.name}: {len(baseline)} tests pass twice, {len(candidates)} candidate mutations")
@@ -186,12 +187,11 @@ async def gate(rows: list[dict], image_setting: str, log) -> list[dict]:  # type
         instance = TaskInstance(instance_id=row["instance_id"], data=row)
         sandbox, base = await env._staged_sandbox(parse_row(row, row["instance_id"]))
         await sandbox.close()
-        gold = await env.grade(instance, {"patch": row["patch"]})
-        empty = await env.grade(instance, {"patch": ""})
-        if gold.resolved and not empty.resolved:
+        checked = await check_instance(env, instance)
+        if checked.sound:
             kept.append(row | {"base_commit": base})
         else:
-            log(f"{row['instance_id']}: dropped by the gate (gold {gold.details.get('reason')}; empty {empty.resolved})")
+            log(f"{row['instance_id']}: dropped by the gate ({checked.why})")
     return kept
 
 

@@ -1,0 +1,82 @@
+"""`prorl swe check`: every instance of a swe task is sound: its gold patch resolves and an empty patch does not,
+graded by the SWE environment itself (fresh sandboxes, real tests, swebench's grading). The generator's gate is
+the same check; this one runs it on a shipped suite (or any swe task), e.g. after changing the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+from pydantic import BaseModel
+
+from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
+from nemo_gym_prorl.envs.swe import SweEnvironment
+from nemo_gym_prorl.envs.task import load_task
+
+
+class InstanceCheck(BaseModel):
+    instance_id: str
+    gold_resolves: bool
+    empty_resolves: bool
+    why: str = ""
+
+    @property
+    def sound(self) -> bool:
+        return self.gold_resolves and not self.empty_resolves
+
+
+async def check_instance(env: SweEnvironment, instance: TaskInstance) -> InstanceCheck:
+    """Grade the instance's gold patch and an empty one (the empty one through the tests, not skipped)."""
+    gold = await env.grade(instance, {"patch": instance.data.get("patch") or ""})
+    skip_empty, env.settings.skip_empty_patch = env.settings.skip_empty_patch, False
+    try:
+        empty = await env.grade(instance, {"patch": ""})
+    finally:
+        env.settings.skip_empty_patch = skip_empty
+    why = []
+    if not gold.resolved:
+        why.append(f"gold: {gold.details.get('reason')}")
+    if empty.resolved:
+        why.append("the empty patch resolves it")
+    return InstanceCheck(instance_id=instance.instance_id, gold_resolves=gold.resolved,
+                         empty_resolves=empty.resolved, why="; ".join(why))  # fmt: skip
+
+
+async def check_task(task_name: str, backend: str, instance_ids: list[str] | None, limit: int | None) -> int:
+    task = load_task(task_name)
+    env = SweEnvironment(task, backend)
+    instances = load_instances(task.dataset)
+    if instance_ids:
+        unknown = set(instance_ids) - {i.instance_id for i in instances}
+        if unknown:
+            raise SystemExit(f"prorl swe check: no instance {', '.join(sorted(unknown))} in task {task_name}")
+        instances = [i for i in instances if i.instance_id in instance_ids]
+    instances = instances[:limit] if limit else instances
+    started = time.perf_counter()
+    unsound = 0
+    for n, instance in enumerate(instances, 1):
+        result = await check_instance(env, instance)
+        unsound += not result.sound
+        verdict = "ok" if result.sound else f"UNSOUND: {result.why}"
+        print(f"[{n}/{len(instances)}] {result.instance_id}: {verdict}", flush=True)
+    minutes = (time.perf_counter() - started) / 60
+    print(f"{len(instances) - unsound}/{len(instances)} instances of {task_name} on {backend}: gold patch resolves, "
+          f"empty patch does not ({minutes:.1f} min)")  # fmt: skip
+    return 1 if unsound else 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="prorl swe check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", default="swe/offline", help="a swe task (default: the shipped offline suite)")
+    parser.add_argument("--backend", default="bwrap", help="sandbox backend (apptainer with an image: default-sif)")
+    parser.add_argument("--instances", nargs="*", help="only these instance ids")
+    parser.add_argument("--limit", type=int, help="only the first N instances")
+    args = parser.parse_args(argv)
+    return asyncio.run(check_task(args.task, args.backend, args.instances, args.limit))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
