@@ -272,10 +272,12 @@ function plot(svg, series, colors) {
   const y = (v) => height - pad + 6 - (v / yMax) * (height - pad - 4);
   const lines = series.map((s, i) => `<polyline fill="none" stroke="${colors[i]}" stroke-width="1.8"
     data-name="${s.name}" data-values="${s.values.map(([, v]) => v).join(" ")}" points="${s.values.map(([t, v]) => `${x(t).toFixed(1)},${y(v).toFixed(1)}`).join(" ")}"/>`);
+  const dots = series.flatMap((s, i) => s.values.length > 120 ? [] : s.values.map(([t, v]) =>
+    `<circle cx="${x(t).toFixed(1)}" cy="${y(v).toFixed(1)}" r="2.2" fill="${colors[i]}"/>`));
   const labels = series.map((s, i) => `<text x="${pad + 70 * i}" y="10" style="fill:${colors[i]}">${s.name}</text>`);
   svg.innerHTML = `<line x1="${pad}" y1="${height - pad + 6}" x2="${width}" y2="${height - pad + 6}" stroke="#ccc"/>
     <text x="2" y="${y(yMax) + 4}">${fmt(yMax, 2)}</text><text x="2" y="${height - pad + 6}">0</text>
-    <text x="${width - 40}" y="${height - 4}">${fmt(t1 - t0, 0)} s</text>${lines.join("")}${labels.join("")}`;
+    <text x="${width - 40}" y="${height - 4}">${fmt(t1 - t0, 0)} s</text>${lines.join("")}${dots.join("")}${labels.join("")}`;
 }
 
 async function pollLive() {
