@@ -23,7 +23,7 @@ from sandbox_helpers import alive, process_tree, reachable_temp_dir, wait_until
 
 from nemo_gym_prorl.sandbox import BwrapSandbox, SandboxError, SandboxLimits, SandboxSpec
 from nemo_gym_prorl.sandbox.base import BindMount
-from nemo_gym_prorl.sandbox.bwrap import TEMP_PREFIX, _hidden_etc_paths, sweep_orphans
+from nemo_gym_prorl.sandbox.bwrap import _hidden_etc_paths, sweep_orphans
 from nemo_gym_prorl.sandbox.limits import own_cgroup_dirs
 
 SPEC = SandboxSpec(limits=SandboxLimits(memory_mb=512, max_output_bytes=10_000))
@@ -293,9 +293,8 @@ async def test_what_a_killed_owner_left_is_swept(shared_tmp: Path, monkeypatch: 
     owner.wait()
     await wait_until(lambda: not alive(sandbox_processes))
     assert os.path.isdir(temp_dir) and all(os.path.isdir(c) for c in cgroups)
-    spares = [str(p) for p in shared_tmp.glob(f"{TEMP_PREFIX}disks-*")]  # disks it made ahead of need (as root)
-    assert sorted(sweep_orphans(str(shared_tmp))) == sorted([temp_dir, *spares])
-    assert not [p for p in [temp_dir, *spares, *cgroups] if os.path.exists(p)]
+    assert sweep_orphans(str(shared_tmp)) == [temp_dir]
+    assert not os.path.exists(temp_dir) and not [c for c in cgroups if os.path.exists(c)]
     monkeypatch.setattr(tempfile, "tempdir", str(shared_tmp))
     async with BwrapSandbox(SPEC) as live:
         assert sweep_orphans(str(shared_tmp)) == []

@@ -1,7 +1,8 @@
-"""Each bubblewrap sandbox's disk of its own (`limits.disk_mb`), now mostly made ahead of need (`disk.DiskSpares`):
-a spare is sized by the sandbox's limits, serves one sandbox only (nothing of one reaches the next), and every disk,
-mount and loop device is gone when its sandbox ends, when the service ends, and, after the orphan sweep, when the
-service was SIGKILLed with spares and a running sandbox. Root only (as CI runs): disks need loop devices."""
+"""Each bubblewrap sandbox's disk of its own (`limits.disk_mb`), mostly made ahead of need (`disk.DiskSpares`): a
+spare is sized by the sandbox's limits and serves one sandbox only (nothing of one reaches the next); every disk,
+mount and loop device is gone when its sandbox ends and when the service ends; when the service is SIGKILLed, its
+spares go with it and the orphan sweep removes the running sandbox's disk. Root only (as CI runs): disks need loop
+devices."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 from sandbox_helpers import reachable_temp_dir, wait_until
 
 from nemo_gym_prorl.sandbox import SandboxLimits, SandboxSpec
-from nemo_gym_prorl.sandbox.bwrap import TEMP_PREFIX, BwrapSandbox, _write_owner, sweep_orphans
+from nemo_gym_prorl.sandbox.bwrap import BwrapSandbox, sweep_orphans
 from nemo_gym_prorl.sandbox.disk import DiskSpares
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,9 +51,9 @@ def root() -> Iterator[Path]:
 
 @pytest.fixture
 async def spares(root: Path, monkeypatch: pytest.MonkeyPatch) -> DiskSpares:
-    """The disks made ahead for bwrap sandboxes, fresh and in `root` (as a service whose temp dir it is has them)."""
+    """The disks made ahead for bwrap sandboxes, fresh, their images in `root` (a service's whose temp dir it is)."""
     monkeypatch.setattr(tempfile, "tempdir", str(root))
-    made = DiskSpares(TEMP_PREFIX + "disks-", lambda path: _write_owner(path, []))
+    made = DiskSpares()
     monkeypatch.setattr("nemo_gym_prorl.sandbox.bwrap._DISK_SPARES", made)
     yield made
     made.close()
@@ -84,9 +85,9 @@ async def test_closing_the_spares_removes_them_and_a_later_sandbox_makes_them_ag
     async with BwrapSandbox(SandboxSpec(limits=LIMITS)):
         pass
     await ready(spares, 4096, 2)
-    assert len(mounts_under(root)) == 2
+    assert len(loop_devices_under(root)) == 2 and mounts_under(root) == []  # detached: mounted nowhere
     spares.close()  # as at the service's exit
-    assert mounts_under(root) == [] and list(root.iterdir()) == []
+    await wait_until(lambda: not loop_devices_under(root))
     async with BwrapSandbox(SandboxSpec(limits=LIMITS)) as sandbox:
         assert (await sandbox.run("echo hi > /workspace/f && cat /workspace/f", 10)).output == "hi\n"
     await ready(spares, 4096, 2)
@@ -121,14 +122,14 @@ def run_service(root: Path, mode: str) -> subprocess.Popen[bytes]:
 
 
 async def test_a_service_that_exits_leaves_no_disk_mount_or_loop_device(root: Path) -> None:
-    """It exits with a sandbox still open (never closed) and spares made: its exit cleans both up, or the loop
-    devices go with its file descriptors."""
+    """It exits with spares made and a sandbox it never closed: the spares go with it; the sandbox's temp dir and
+    its disk are what any process that dies without closing its sandboxes leaves, for the orphan sweep."""
     service = run_service(root, "exit")
     stdout, _ = await asyncio.to_thread(service.communicate, timeout=60)
     assert service.returncode == 0 and stdout == b"ready\n"
-    # The open sandbox's temp dir and its mount are what a crashed process leaves; the spares are gone.
-    assert not [p for p in root.iterdir() if p.name.startswith(TEMP_PREFIX + "disks-")]
-    sweep_orphans(str(root))
+    await wait_until(lambda: len(loop_devices_under(root)) == 1)
+    assert len(mounts_under(root)) == 1
+    assert len(sweep_orphans(str(root))) == 1
     await assert_nothing_left(root)
 
 
@@ -137,11 +138,12 @@ async def test_a_killed_service_leaves_nothing_after_the_orphan_sweep(root: Path
     try:
         assert service.stdout is not None
         assert (await asyncio.to_thread(service.stdout.readline)) == b"ready\n"
-        assert len(mounts_under(root)) == 3  # the running sandbox's disk and two spares
+        assert len(loop_devices_under(root)) == 3  # the running sandbox's disk and two spares
+        assert len(mounts_under(root)) == 1  # the spares are detached: mounted nowhere
     finally:
         service.send_signal(signal.SIGKILL)
         service.wait()
-    assert len(mounts_under(root)) == 3
-    removed = sweep_orphans(str(root))
-    assert len(removed) == 2  # the sandbox's temp dir and the spares' dir
+    await wait_until(lambda: len(loop_devices_under(root)) == 1)  # the spares went with the process
+    assert len(mounts_under(root)) == 1
+    assert len(sweep_orphans(str(root))) == 1  # the sandbox's temp dir, its disk unmounted first
     await assert_nothing_left(root)

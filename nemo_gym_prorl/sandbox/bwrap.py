@@ -655,8 +655,8 @@ def _start_time(pid: int | str) -> str:
         return f.read().rsplit(b")", 1)[1].split()[19].decode()  # field 22: start time in clock ticks
 
 
-_DISK_SPARES = disk.DiskSpares(TEMP_PREFIX + "disks-", lambda root: _write_owner(root, []))
-"""Disks made ahead of sandboxes' starts, in a temp dir the orphan sweep knows (`disk.DiskSpares`)."""
+_DISK_SPARES = disk.DiskSpares()
+"""Disks made ahead of sandboxes' starts (`disk.DiskSpares`)."""
 
 
 def sweep_orphans(temp_root: str | None = None) -> list[str]:

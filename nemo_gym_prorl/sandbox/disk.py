@@ -1,27 +1,29 @@
 """A sandbox's writable space with a total size the kernel enforces: an ext4 filesystem in a sparse image file.
 
-`limits.file_size_mb` caps each file a process writes; nothing in it caps their sum. `SandboxDisk.create()` writes
-a freshly formatted ext4 filesystem of `disk_mb` into a sparse file in the sandbox's temp dir (no journal, no reserved
-blocks, inode tables left uninitialised, the root directory owned by the sandbox's host uid; `mkfs.ext4` runs once
-per size, each sandbox copies its ~2 MB of metadata) and mounts it through a loop device (autoclear) at the
+`limits.file_size_mb` caps each file a process writes; nothing in it caps their sum. A `SandboxDisk` is a freshly
+formatted ext4 filesystem of `disk_mb` in a sparse, nameless file (O_TMPFILE in the sandbox's temp dir's filesystem;
+no journal, no reserved blocks, inode tables left uninitialised, the root directory owned by the sandbox's host uid;
+`mkfs.ext4` runs once per size, each disk copies its ~2 MB of metadata), on a loop device (autoclear), mounted at the
 directory the sandbox writes to. Writing past its size is "No space left on device" inside the sandbox and nothing
 more; the host's filesystem only holds the blocks actually written (the image is sparse and mounted with `discard`,
 so deleted files give their blocks back).
 
 Why this and not the alternatives: a size-capped tmpfs is memory (a 2 GiB workspace would be 2 GiB of RAM per
 sandbox); project quotas need the host filesystem mounted with `prjquota` (it is not here, and it cannot be changed
-from a service); a loop-mounted image costs a few milliseconds at start and at close (attach and mount; unmount) and
-needs root. Without root (`available()` is False) sandboxes get no total, only the per-file limit.
+from a service); a loop-mounted image costs a few milliseconds at start and at close and needs root. Without root
+(`available()` is False) sandboxes get no total, only the per-file limit.
 
-The mount lives in the host's mount namespace while the sandbox runs (the sandboxes bind it, and host-side file I/O
-uses it); `unmount()` detaches it (the mount point is free at once), then a thread shuts the filesystem down (nothing
-written back: the image goes next) and drops the last references, and the loop device goes with it. A process that
-dies without closing its sandboxes leaves the mount: `unmount_under()` removes every mount below a dead sandbox's
-temp dir before the orphan sweep removes the dir.
+A disk is made detached (`fsmount`: a mount that is only a file descriptor, in no directory) and then attached
+where the sandbox wants it (`move_mount`, ~0.2 ms). Making one costs ~10-15 ms, mostly waiting on the kernel:
+`DiskSpares` makes them ahead of need, so a sandbox's start only attaches one. A detached disk needs no clean-up
+of its own: its image has no name, and when the process holding it ends, however it ends, the kernel drops the
+mount, the loop device and the image's blocks.
 
-Making a disk costs ~15 ms (the image's metadata written, a loop device attached, the filesystem mounted), mostly
-waiting on the kernel, not CPU. `DiskSpares` makes them ahead of need in a thread of its own, so a sandbox's start
-only moves a ready mount into place (~0.1 ms).
+An attached disk lives in the host's mount namespace while its sandbox runs (the sandbox binds it, and host-side
+file I/O uses it); `unmount()` detaches it (the mount point is free at once), then a thread shuts the filesystem
+down (nothing written back: the image goes next) and drops the last references. A process that dies without closing
+its sandboxes leaves attached disks mounted: `unmount_under()` removes every mount below a dead sandbox's temp dir
+before the orphan sweep removes the dir.
 """
 
 from __future__ import annotations
@@ -40,19 +42,22 @@ import struct
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 from nemo_gym_prorl.sandbox.base import SandboxError
 
-_IMAGE = "disk.img"
 _MNT_DETACH = 2
-_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_MOVE = 2, 4, 4096, 8192
+_MS_BIND = 4096
 _MKFS_OPTIONS = ["-q", "-F", "-O", "^has_journal", "-m", "0"]
-_MOUNT_OPTIONS = b"noinit_itable,discard,nobarrier"
+_MOUNT_FLAGS = (b"noinit_itable", b"discard", b"nobarrier")
 _LOOP_CTL_GET_FREE, _LOOP_CONFIGURE, _LO_FLAGS_AUTOCLEAR = 0x4C82, 0x4C0A, 4
 _LOOP_INFO64 = "=5Q4I64s64s32s2Q"  # struct loop_info64
 _EXT4_IOC_SHUTDOWN, _EXT4_GOING_FLAGS_NOLOGFLUSH = 0x8004587D, 2
+# The mount API of Linux >= 5.2 (x86_64 and aarch64 share these syscall numbers).
+_SYS_MOVE_MOUNT, _SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT = 429, 430, 431, 432
+_FSOPEN_CLOEXEC, _FSMOUNT_CLOEXEC, _MOVE_MOUNT_F_EMPTY_PATH, _AT_FDCWD = 1, 1, 4, -100
+_FSCONFIG_SET_FLAG, _FSCONFIG_SET_STRING, _FSCONFIG_CMD_CREATE = 0, 1, 6
+_MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV = 2, 4
 
 log = logging.getLogger(__name__)
 
@@ -64,111 +69,107 @@ def available() -> bool:
 
 
 class SandboxDisk:
-    """One sandbox's filesystem image, mounted at `mount_point`; see the module docstring."""
+    """One sandbox's filesystem; see the module docstring. `make()` it detached, then `attach()` it."""
 
-    def __init__(self, image: Path, mount_point: Path) -> None:
-        self.image = image
-        self.mount_point = mount_point
-        self.mounted = False
+    def __init__(self) -> None:
+        self.mount_point: Path | None = None
         self._image_fd: int | None = None
+        self._mount_fd: int | None = None  # the detached mount, until attached
         self._root_fd: int | None = None
 
+    @property
+    def mounted(self) -> bool:
+        return self.mount_point is not None
+
     @classmethod
-    def create(cls, directory: Path, mount_point: Path, size_mb: int, owner_uid: int | None) -> SandboxDisk:
-        """Make a `size_mb` filesystem in `directory` (the sandbox's temp dir) and mount it at `mount_point` (an
-        existing empty directory), its root owned by `owner_uid` (None: by us). On failure nothing stays mounted."""
-        disk = cls(directory / _IMAGE, mount_point)
+    def make(cls, directory: Path, size_mb: int, owner_uid: int | None) -> SandboxDisk:
+        """A detached `size_mb` filesystem whose root `owner_uid` owns (None: we do), its image on `directory`'s
+        filesystem. On failure nothing is left."""
+        disk = cls()
         owner = owner_uid if owner_uid is not None else os.geteuid()
-        fd = os.open(disk.image, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
+            disk._image_fd = fd = _nameless_file(directory)
             os.ftruncate(fd, size_mb * 2**20)
             for offset, data in _formatted(size_mb, owner):
                 os.pwrite(fd, data, offset)
-            loop = _attach_loop(fd)
+            loop, number = _attach_loop(fd)
+            try:
+                disk._mount_fd = _mount_detached(f"/dev/loop{number}")
+            finally:
+                os.close(loop)  # the filesystem holds the loop device now; it detaches itself with it (autoclear)
+            os.rmdir("lost+found", dir_fd=disk._mount_fd)  # e2fsck's, useless here; a sandbox expects an empty root
+            disk._root_fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=disk._mount_fd)
         except BaseException:
-            os.close(fd)
+            disk._close_fds([disk._root_fd, disk._mount_fd, disk._image_fd])
             raise
-        finally:
-            # Nameless from now on: the image lives while the loop device or `fd` holds it, and a process that dies
-            # without unmounting leaves no image behind once the orphan sweep has unmounted it.
-            disk.image.unlink()
-        disk._image_fd = fd
-        try:  # the loop device detaches itself once neither its fd nor a mount holds it (autoclear)
-            _mount(f"/dev/loop{loop[1]}", mount_point)
-        except BaseException:
-            disk._release_image()
-            raise
-        finally:
-            os.close(loop[0])
-        disk.mounted = True
+        return disk
+
+    @classmethod
+    def create(cls, directory: Path, mount_point: Path, size_mb: int, owner_uid: int | None) -> SandboxDisk:
+        """`make()` a disk and `attach()` it at `mount_point`."""
+        disk = cls.make(directory, size_mb, owner_uid)
         try:
-            disk._root_fd = os.open(mount_point, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            os.rmdir(mount_point / "lost+found")  # e2fsck's, useless here; an empty root is what a sandbox expects
+            disk.attach(mount_point)
         except BaseException:
             disk.unmount()
             raise
         return disk
 
-    def move_to(self, mount_point: Path) -> None:
-        """Mount the filesystem at `mount_point` (an existing empty directory) instead of where it is."""
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.mount(os.fsencode(self.mount_point), os.fsencode(mount_point), None, _MS_MOVE, None) != 0:
-            error = ctypes.get_errno()
-            if error != errno.EINVAL:  # EINVAL: the mount's parent is shared (a bind and a detach do instead)
-                raise OSError(error, f"mount --move {self.mount_point} {mount_point}: {os.strerror(error)}")
-            bind(self.mount_point, mount_point)
-            _umount(self.mount_point)
+    def attach(self, mount_point: Path) -> None:
+        """Mount the detached filesystem at `mount_point` (an existing empty directory)."""
+        assert self._mount_fd is not None, "attach() once, a disk made by make()"
+        _syscall(_SYS_MOVE_MOUNT, self._mount_fd, b"", _AT_FDCWD, os.fsencode(mount_point), _MOVE_MOUNT_F_EMPTY_PATH)
         self.mount_point = mount_point
+        os.close(self._mount_fd)
+        self._mount_fd = None
 
     def unmount(self, *, discard: bool = True) -> None:
         """Detach the filesystem (lazily: a process still holding a file in it keeps it alive, not the mount point);
         its loop device is released with it. `discard`: its content is thrown away, not written back first (see
         `shut_down`). Idempotent."""
-        if self.mounted:
+        if self.mount_point is not None:
             _umount(self.mount_point)
-            self.mounted = False
-        self._release_image(discard)
+            self.mount_point = None
+        fds = [self._root_fd, self._mount_fd, self._image_fd]
+        shut_down_fd = self._root_fd if discard else None
+        self._root_fd = self._mount_fd = self._image_fd = None
+        if any(fd is not None for fd in fds):
+            # The last references: closing them tears the filesystem and its loop device down (~10-20 ms) and frees
+            # the image's blocks on the host (~50 ms), so a thread of its own does it and closing does not wait.
+            release = threading.Thread(target=self._release, args=(shut_down_fd, fds), name="prorl-disk-release")
+            release.daemon = True
+            release.start()
 
-    def _release_image(self, discard: bool = True) -> None:
-        """Let go of the detached filesystem and its (nameless) image. The last references are the fds held here:
-        closing them tears the filesystem and its loop device down (~10-20 ms) and frees the image's blocks on the
-        host's filesystem (~50 ms), so a thread of its own does it (`discard`: after shutting the filesystem down),
-        and closing a sandbox does not wait. The mount point is free at once."""
-        root_fd, image_fd = self._root_fd, self._image_fd
-        self._root_fd = self._image_fd = None
-        if root_fd is not None or image_fd is not None:
-            args = (root_fd if discard else None, [fd for fd in (root_fd, image_fd) if fd is not None])
-            threading.Thread(target=_release, args=args, name="prorl-disk-release", daemon=True).start()
+    @staticmethod
+    def _release(shut_down_fd: int | None, fds: list[int | None]) -> None:
+        _lowest_priority()
+        try:
+            if shut_down_fd is not None:
+                fcntl.ioctl(shut_down_fd, _EXT4_IOC_SHUTDOWN, struct.pack("I", _EXT4_GOING_FLAGS_NOLOGFLUSH))
+        finally:
+            SandboxDisk._close_fds(fds)
 
-
-def _release(shut_down_fd: int | None, fds: list[int]) -> None:
-    _lowest_priority()
-    try:
-        if shut_down_fd is not None:
-            fcntl.ioctl(shut_down_fd, _EXT4_IOC_SHUTDOWN, struct.pack("I", _EXT4_GOING_FLAGS_NOLOGFLUSH))
-    finally:
+    @staticmethod
+    def _close_fds(fds: list[int | None]) -> None:
         for fd in fds:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
 
 class DiskSpares:
-    """Disks made ahead of need, so that a sandbox's start does not wait for one (see the module docstring).
+    """Disks made ahead of need, so that a sandbox's start only attaches one (see the module docstring).
 
-    A thread of its own keeps `per_kind` spares ready for each of the last `kinds` (size, owner) pairs asked for,
-    each in a directory of its own under one temp dir (`prefix`*, made in the process's temp dir as it was when this
-    was made, and marked by `mark_owner`: the orphan sweep that knows the prefix removes what a killed process left).
-    `take()` moves a spare's mount to where the sandbox wants it (~0.3 ms, so no thread is needed for it), or says
-    that none is ready (the first of a kind, a burst of starts): the caller makes one then. The threads that make
-    and release disks run at the lowest CPU priority, so that they yield to the sandboxes they serve. A disk serves
-    one sandbox: a used one is unmounted, never wiped and handed
-    out again (nothing of one sandbox reaches the next, and its blocks are freed on the host). `close()`, also run at
-    exit, unmounts the spares and removes the temp dir; `take()` afterwards starts over. A forked child starts its
-    own (the spares it inherits are its parent's)."""
+    A thread of its own, at the lowest CPU priority (it yields to the sandboxes it serves), keeps `per_kind`
+    detached disks ready for each of the last `kinds` (size, owner) pairs asked for, their images on the filesystem
+    of the process's temp dir as it was when this was made. `take()` attaches one where the sandbox wants it, or
+    says that none is ready (the first of a kind, a burst of starts): the caller makes one then. A disk serves one
+    sandbox: a used one is unmounted, never wiped and handed out again. Spares are detached, so nothing of them
+    outlives the process; `close()` (also run at exit) drops them sooner, and `take()` afterwards starts over. A
+    forked child makes its own (the ones it inherits are its parent's)."""
 
-    def __init__(self, prefix: str, mark_owner: Callable[[Path], None], *, per_kind: int = 2, kinds: int = 3) -> None:
-        self._prefix, self._mark_owner = prefix, mark_owner
+    def __init__(self, *, per_kind: int = 2, kinds: int = 3) -> None:
         self._per_kind, self._kinds = per_kind, kinds
-        self._parent = tempfile.gettempdir()
+        self._directory = Path(tempfile.gettempdir())
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._reset()
@@ -178,8 +179,6 @@ class DiskSpares:
         self._pid = os.getpid()
         self._spares: collections.OrderedDict[tuple[int, int], list[SandboxDisk]] = collections.OrderedDict()
         self._unwanted: list[SandboxDisk] = []
-        self._spent: list[Path] = []
-        self._dir: Path | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._broken = False
@@ -187,8 +186,7 @@ class DiskSpares:
     def take(self, size_mb: int, owner_uid: int | None, mount_point: Path) -> SandboxDisk | None:
         """A spare `size_mb` disk whose root `owner_uid` owns (None: we do), now mounted at `mount_point` (an
         existing empty directory); None when none is ready (more are made from now on)."""
-        owner = owner_uid if owner_uid is not None else os.geteuid()
-        kind = (size_mb, owner)
+        kind = (size_mb, owner_uid if owner_uid is not None else os.geteuid())
         with self._lock:
             if self._pid != os.getpid():
                 self._reset()
@@ -201,21 +199,17 @@ class DiskSpares:
                 self._thread = threading.Thread(target=self._keep_ready, name="prorl-disk-spares", daemon=True)
                 self._thread.start()
             self._wake.notify()
-        if spare is not None:
-            try:
-                spare.move_to(mount_point)
-            except OSError as e:
-                log.warning("a spare sandbox disk could not be moved into place (%s); making one instead", e)
-                self._discard(spare)
-            else:
-                with self._lock:  # its empty directory is the thread's to remove (host metadata writes can be slow)
-                    self._spent.append(spare.image.parent)
-                    self._wake.notify()
-                return spare
-        return None
+        if spare is None:
+            return None
+        try:
+            spare.attach(mount_point)
+        except BaseException:
+            spare.unmount()
+            raise
+        return spare
 
     def close(self) -> None:
-        """Stop making spares, unmount them and remove their temp dir (a sandbox's disk taken already stays)."""
+        """Stop making spares and drop them (a disk a sandbox took stays)."""
         with self._lock:
             if self._pid != os.getpid():
                 return
@@ -226,33 +220,26 @@ class DiskSpares:
             thread.join()
         with self._lock:
             left = self._unwanted + [disk for spares in self._spares.values() for disk in spares]
-            directory = self._dir
             self._reset()
         for disk in left:
-            self._discard(disk)
-        if directory is not None:
-            unmount_under(directory)
-            shutil.rmtree(directory, ignore_errors=True)
+            disk.unmount()
 
     def _keep_ready(self) -> None:
         _lowest_priority()
         while True:
             with self._lock:
-                while not (self._stopping or self._unwanted or self._spent or self._short_kind()):
+                while not (self._stopping or self._unwanted or self._short_kind()):
                     self._wake.wait()
                 if self._stopping:
                     return
                 unwanted, self._unwanted = self._unwanted, []
-                spent, self._spent = self._spent, []
                 kind = self._short_kind()
             for disk in unwanted:
-                self._discard(disk)
-            for entry in spent:
-                _remove_spare_dir(entry)
+                disk.unmount()
             if kind is None:
                 continue
             try:
-                spare = self._make(*kind)
+                spare = SandboxDisk.make(self._directory, *kind)
             except Exception:
                 log.warning("cannot make spare sandbox disks; each sandbox makes its own", exc_info=True)
                 with self._lock:
@@ -263,7 +250,7 @@ class DiskSpares:
                     self._spares[kind].append(spare)
                     spare = None
             if spare is not None:
-                self._discard(spare)
+                spare.unmount()
 
     def _short_kind(self) -> tuple[int, int] | None:
         """The most recently asked-for kind with fewer spares than wanted (with the lock held)."""
@@ -272,35 +259,11 @@ class DiskSpares:
                 return kind
         return None
 
-    def _make(self, size_mb: int, owner: int) -> SandboxDisk:
-        if self._dir is None:
-            self._dir = Path(tempfile.mkdtemp(prefix=self._prefix, dir=self._parent))
-            self._mark_owner(self._dir)
-        entry = Path(tempfile.mkdtemp(dir=self._dir))
-        (entry / "mnt").mkdir()
-        try:
-            return SandboxDisk.create(entry, entry / "mnt", size_mb, owner)
-        except BaseException:
-            _remove_spare_dir(entry)
-            raise
-
-    @staticmethod
-    def _discard(spare: SandboxDisk) -> None:
-        spare.unmount()
-        _remove_spare_dir(spare.image.parent)
-
 
 def _lowest_priority() -> None:
     """Run the calling thread (alone) at nice 19."""
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
-def _remove_spare_dir(entry: Path) -> None:
-    """Remove a spare's directory once its mount is gone from it (rmdir only: never anything inside a mount)."""
-    with contextlib.suppress(OSError):
-        (entry / "mnt").rmdir()
-        entry.rmdir()
 
 
 def shut_down(path: Path) -> None:
@@ -314,13 +277,25 @@ def shut_down(path: Path) -> None:
         os.close(fd)
 
 
+def _nameless_file(directory: Path) -> int:
+    """An open, nameless regular file on `directory`'s filesystem (O_TMPFILE; else made and unlinked at once)."""
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR):
+            raise
+    fd, name = tempfile.mkstemp(dir=directory)
+    os.unlink(name)
+    return fd
+
+
 @functools.cache
 def _formatted(size_mb: int, owner: int) -> tuple[tuple[int, bytes], ...]:
     """The data extents (offset, bytes) of a freshly made `size_mb` filesystem whose root `owner` owns: `mkfs.ext4`
-    runs once per size and owner (~2 MB of metadata for 4 GiB), each sandbox writes those extents into its own sparse
+    runs once per size and owner (~2 MB of metadata for 4 GiB), each disk writes those extents into its own sparse
     image instead of running it again. (All such filesystems share a UUID, which ext4 does not mind.)"""
     with tempfile.TemporaryDirectory(prefix="prorl-mkfs-") as tmp:
-        image = os.path.join(tmp, _IMAGE)
+        image = os.path.join(tmp, "disk.img")
         with open(image, "wb") as f:
             f.truncate(size_mb * 2**20)
         _run(["mkfs.ext4", *_MKFS_OPTIONS, "-E", f"nodiscard,lazy_itable_init=1,root_owner={owner}:{owner}", image])
@@ -339,6 +314,30 @@ def _formatted(size_mb: int, owner: int) -> tuple[tuple[int, bytes], ...]:
         finally:
             os.close(fd)
     return tuple(extents)
+
+
+def _mount_detached(device: str) -> int:
+    """The ext4 filesystem on `device` as a detached mount (nosuid, nodev): its fd."""
+    fs = _syscall(_SYS_FSOPEN, b"ext4", _FSOPEN_CLOEXEC)
+    try:
+        _syscall(_SYS_FSCONFIG, fs, _FSCONFIG_SET_STRING, b"source", device.encode(), 0)
+        for flag in _MOUNT_FLAGS:
+            _syscall(_SYS_FSCONFIG, fs, _FSCONFIG_SET_FLAG, flag, None, 0)
+        _syscall(_SYS_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0)
+        return _syscall(_SYS_FSMOUNT, fs, _FSMOUNT_CLOEXEC, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV)
+    except OSError as e:
+        raise SandboxError(f"cannot mount {device} (ext4): {e.strerror}") from e
+    finally:
+        os.close(fs)
+
+
+def _syscall(number: int, *args: object) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    result = libc.syscall(number, *args)
+    if result < 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+    return result
 
 
 def _attach_loop(fd: int) -> tuple[int, int]:
@@ -361,14 +360,6 @@ def _attach_loop(fd: int) -> tuple[int, int]:
             raise SandboxError(f"cannot set up loop device /dev/loop{number}: {e}") from e
         return loop, number
     raise SandboxError("cannot find a free loop device (every one taken when tried)")
-
-
-def _mount(device: str, target: Path) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    flags = _MS_NOSUID | _MS_NODEV
-    if libc.mount(device.encode(), os.fsencode(target), b"ext4", flags, _MOUNT_OPTIONS) != 0:
-        error = ctypes.get_errno()
-        raise SandboxError(f"cannot mount {device} (ext4) at {target}: {os.strerror(error)}")
 
 
 def bind(source: Path, target: Path) -> None:
