@@ -296,6 +296,7 @@ def test_pages_under_a_token_protected_service_refuse_requests_without_it(browse
         assert httpx.get(service_url + path).status_code == 401, path
         assert httpx.get(service_url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
     assert httpx.get(service_url + "/ui/?token=wrong", follow_redirects=False).status_code == 401
+    assert httpx.get(service_url + "/ui", follow_redirects=False).headers["location"].endswith("/ui/")
     answer = httpx.get(service_url + "/ui/api/trajectories", headers={"Authorization": f"Bearer {TOKEN}"})
     assert answer.status_code == 200 and answer.json()["total"] >= 4
 

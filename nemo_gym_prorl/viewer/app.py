@@ -115,7 +115,7 @@ def create_viewer_app(
     @app.get("/api/trajectories/{index}")
     async def trajectory(index: int) -> dict[str, Any]:
         rows = source.summaries()
-        row = await asyncio.to_thread(source.row, index)
+        row = source.row(index)  # one line parsed, or one stored result read: on the loop, where the store is used
         if row is None or index >= len(rows):
             raise HTTPException(404, f"no trajectory {index}")
         return await asyncio.to_thread(detail, rows[index], row, texts)

@@ -26,8 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("file", type=Path, help="a JSONL file of `prorl rollout` or `gym eval run`")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8300, help="0: any free port")
-    parser.add_argument("--task", help="the task to list the rows under (default: the run's, from FILE's "
-                        ".config.yaml, or what each row names)")
+    parser.add_argument("--task", help="the task of rows that name none (default: the run's, from FILE's "
+                        ".config.yaml)")
     parser.add_argument("--tokenizer", help="a GGUF whose vocabulary decodes token ids to text (default: the run's "
                         f"local model, from FILE's .config.yaml); {NO_TOKENIZER!r}: show ids only")
     parser.add_argument("--token", help="bearer token the pages need (also $PRORL_SERVICE_TOKEN, as for the "

@@ -108,15 +108,15 @@ def _gym_summary(index: int, row: dict[str, Any], task: str | None, seconds: flo
     task_index, rollout_index = row.get("_ng_task_index"), row.get("_ng_rollout_index")
     output = (row.get("response") or {}).get("output") or []
     agent = row.get("agent_ref") if isinstance(row.get("agent_ref"), dict) else {}
+    group = str(task_index) if task_index is not None else str(row.get("instance_id") or f"row {index}")
     instance_id = row.get("instance_id") or (f"task {task_index}" if task_index is not None else f"row {index}")
     resolved = row.get("resolved")
     return Summary(
         index=index,
-        trajectory_id=str(row.get("trajectory_id") or f"{task_index if task_index is not None else index}:"
-                          f"{rollout_index if rollout_index is not None else 0}"),
+        trajectory_id=str(row.get("trajectory_id") or f"{group}:{rollout_index or 0}"),
         instance_id=str(instance_id),
         task=row.get("prorl_task") or agent.get("name") or row.get("_ng_environment_server") or task,
-        group=str(task_index) if task_index is not None else str(instance_id),
+        group=group,
         sample=int(rollout_index) if isinstance(rollout_index, int) else None,
         reward=_number(row.get("reward")),
         resolved=bool(resolved) if resolved is not None else None,
