@@ -43,7 +43,7 @@ def _tail(paths: list[Path], lines: int = 15) -> str:
 class SlurmCluster:
     """munged + slurmctld + slurmd for one node (this host, ``cpus`` CPUs), all under ``root``."""
 
-    def __init__(self, root: Path, cpus: int | None = None, kill_wait_s: int = 5) -> None:
+    def __init__(self, root: Path, cpus: int | None = None, kill_wait_s: int = 10) -> None:
         self.root = root
         self.node = socket.gethostname()
         self.cpus = cpus or os.cpu_count() or 1

@@ -42,11 +42,20 @@ def model() -> Iterator[str]:
 
 
 @pytest.fixture
-def ray_dir() -> Iterator[Path]:
-    """Ray's session folder: short, since its socket paths must fit in 107 bytes (pytest's tmp_path is too deep)."""
-    path = Path(tempfile.mkdtemp(prefix="prorl-ray-"))
+def job_dir() -> Iterator[Path]:
+    """The job's Ray session folder (``ray/``) and TMPDIR (``tmp/``: its sandboxes' temp dirs and disks): short, since
+    Ray's socket paths must fit in 107 bytes (pytest's tmp_path is too deep)."""
+    path = Path(tempfile.mkdtemp(prefix="prorl-slurm-"))
+    path.chmod(0o755)  # the sandboxes' unprivileged users pass through it, as through /tmp
+    (path / "tmp").mkdir(mode=0o1777)
+    (path / "tmp").chmod(0o1777)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def mounts_under(path: Path) -> list[str]:
+    with open("/proc/self/mountinfo") as mountinfo:
+        return [line.split()[4] for line in mountinfo if line.split()[4].startswith(f"{path}/")]
 
 
 def wait_for_url(cluster: SlurmCluster, job_id: str, output: Path, timeout_s: float = 300) -> str:
@@ -81,7 +90,7 @@ def names(processes: list[psutil.Process]) -> list[str]:
 
 
 async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
-    cluster: SlurmCluster, model: str, ray_dir: Path, tmp_path: Path
+    cluster: SlurmCluster, model: str, job_dir: Path, tmp_path: Path
 ) -> None:
     output = tmp_path / "job.out"
     env = {
@@ -92,7 +101,8 @@ async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
         "RAY_NODES_PER_HOST": "2",  # a head and one more Ray node, both on this one Slurm node
         "RAY_CPUS_PER_NODE": "1",
         "RAY_OBJECT_STORE_MB": "100",
-        "RAY_TEMP_DIR": str(ray_dir),
+        "RAY_TEMP_DIR": str(job_dir / "ray"),
+        "TMPDIR": str(job_dir / "tmp"),
         "RUN_DIR": str(tmp_path / "run"),
         "WORKERS_PER_NODE": "1",
         "SLOTS_PER_WORKER": str(SLOTS_PER_WORKER),
@@ -119,9 +129,11 @@ async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
         assert sum("raylet" in name for name in started) == 2, started
         assert any("prorl serve" in name for name in started), started
         assert any(name.startswith("bwrap") for name in started), started  # rollouts live in the job's sandboxes
+        assert mounts_under(job_dir)  # their disks
 
     cluster.run("scancel", job_id)
     gone, alive = psutil.wait_procs(live, timeout=3 * cluster.kill_wait_s + 30)
     assert names(alive) == []
     assert names(cluster.job_processes()) == []  # nothing started later either
+    assert mounts_under(job_dir) == []
     assert cluster.wait_ended(job_id) == "CANCELLED"

@@ -5,7 +5,7 @@
 # Each Ray node is a `ray start --block` in the foreground of this script, so every Ray process (raylet, workers,
 # the rollout actors and their sandboxes) stays in the Slurm step's process tree: a scancel's SIGTERM/SIGKILL
 # reaches all of them. More than one Ray node per host is for trying multi-node behaviour on one machine.
-# Environment (set by prorl_ray.sbatch): PRORL_ROOT, RAY_HEAD_IP, RAY_PORT, RAY_TEMP_DIR, RAY_NODES_PER_HOST,
+# Environment (set by prorl_ray.sbatch): PRORL_ROOT, SANDBOX, RAY_HEAD_IP, RAY_PORT, RAY_TEMP_DIR, RAY_NODES_PER_HOST,
 # RAY_CPUS_PER_NODE, RAY_OBJECT_STORE_MB.
 set -euo pipefail
 
@@ -34,8 +34,10 @@ node_args() {
   done
 }
 
+# Stopping (scancel, or one Ray node ended): every Ray process of this script at once, then the sandboxes its rollout
+# workers held are swept from the node (stop_node.py), within Slurm's KillWait.
 pids=()
-stop_nodes() { kill -TERM "${pids[@]}" 2>/dev/null || true; wait || true; }
+stop_nodes() { "$PRORL_ROOT/.venv/bin/python" "$PRORL_ROOT/scripts/slurm/stop_node.py" "${pids[@]}"; wait || true; }
 trap 'stop_nodes; exit 143' TERM INT
 
 joined=$RAY_NODES_PER_HOST

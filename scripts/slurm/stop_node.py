@@ -1,0 +1,51 @@
+"""Stop this node's Ray nodes at once and remove what their rollout workers' sandboxes left on the node.
+
+    stop_node.py PID...    (ray_node.sh: the `ray start --block` processes it started)
+
+A scancel sends SIGTERM to every process of the job at the same moment and SIGKILL after Slurm's KillWait; Ray's
+raylet takes up to 30 s to drain, and a rollout worker that dies holding sandboxes leaves their disks mounted on the
+host and their temp dirs and cgroups behind (their processes die with it: `--die-with-parent`, Apptainer's
+watchdog). So: SIGKILL the given processes and everything under them, wait until they are gone, then run the
+sandboxes' orphan sweeps, which touch only sandboxes whose owner process is dead (bwrap's `sweep_orphans`, and
+`reap_orphan_instances` when SANDBOX=apptainer). Run with the job's TMPDIR, where the workers made their sandboxes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import psutil
+
+from nemo_gym_prorl.sandbox.bwrap import sweep_orphans
+
+
+def kill_trees(pids: list[int], timeout_s: float = 10.0) -> None:
+    processes = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            processes += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(processes, timeout=timeout_s)
+
+
+def main(argv: list[str]) -> None:
+    kill_trees([int(pid) for pid in argv])
+    swept = sweep_orphans()
+    if os.environ.get("SANDBOX") == "apptainer":
+        from nemo_gym_prorl.sandbox.apptainer import reap_orphan_instances
+
+        swept += reap_orphan_instances()
+    if swept:
+        print(f"stop_node.py: removed {len(swept)} sandboxes left by this node's workers", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
