@@ -29,13 +29,13 @@ class InstanceCheck(BaseModel):
 
 
 async def check_instance(env: SweEnvironment, instance: TaskInstance) -> InstanceCheck:
-    """Grade the instance's gold patch and an empty one (the empty one through the tests, not skipped)."""
-    gold = await env.grade(instance, {"patch": instance.data.get("patch") or ""})
-    skip_empty, env.settings.skip_empty_patch = env.settings.skip_empty_patch, False
-    try:
-        empty = await env.grade(instance, {"patch": ""})
-    finally:
-        env.settings.skip_empty_patch = skip_empty
+    """Grade the instance's gold patch and an empty one, at once (`env` must run the tests for an empty patch:
+    `skip_empty_patch: false`)."""
+    if env.settings.skip_empty_patch:
+        raise ValueError("check_instance needs an environment with skip_empty_patch: false")
+    gold, empty = await asyncio.gather(
+        env.grade(instance, {"patch": instance.data.get("patch") or ""}), env.grade(instance, {"patch": ""})
+    )
     why = []
     if not gold.resolved:
         why.append(f"gold: {gold.details.get('reason')}")
@@ -45,8 +45,11 @@ async def check_instance(env: SweEnvironment, instance: TaskInstance) -> Instanc
                          empty_resolves=empty.resolved, why="; ".join(why))  # fmt: skip
 
 
-async def check_task(task_name: str, backend: str, instance_ids: list[str] | None, limit: int | None) -> int:
+async def check_task(
+    task_name: str, backend: str, instance_ids: list[str] | None, limit: int | None, jobs: int = 1
+) -> int:
     task = load_task(task_name)
+    task.verifier = task.verifier | {"skip_empty_patch": False}
     env = SweEnvironment(task, backend)
     instances = load_instances(task.dataset)
     if instance_ids:
@@ -56,12 +59,19 @@ async def check_task(task_name: str, backend: str, instance_ids: list[str] | Non
         instances = [i for i in instances if i.instance_id in instance_ids]
     instances = instances[:limit] if limit else instances
     started = time.perf_counter()
-    unsound = 0
-    for n, instance in enumerate(instances, 1):
-        result = await check_instance(env, instance)
-        unsound += not result.sound
+    slots = asyncio.Semaphore(jobs)
+    done = 0
+
+    async def one(instance: TaskInstance) -> bool:
+        nonlocal done
+        async with slots:
+            result = await check_instance(env, instance)
+        done += 1
         verdict = "ok" if result.sound else f"UNSOUND: {result.why}"
-        print(f"[{n}/{len(instances)}] {result.instance_id}: {verdict}", flush=True)
+        print(f"[{done}/{len(instances)}] {result.instance_id}: {verdict}", flush=True)
+        return result.sound
+
+    unsound = (await asyncio.gather(*(one(i) for i in instances))).count(False)
     minutes = (time.perf_counter() - started) / 60
     print(f"{len(instances) - unsound}/{len(instances)} instances of {task_name} on {backend}: gold patch resolves, "
           f"empty patch does not ({minutes:.1f} min)")  # fmt: skip
@@ -74,8 +84,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--backend", default="bwrap", help="sandbox backend (apptainer with an image: default-sif)")
     parser.add_argument("--instances", nargs="*", help="only these instance ids")
     parser.add_argument("--limit", type=int, help="only the first N instances")
+    parser.add_argument("--jobs", type=int, default=1, help="instances checked at once (each grades two at once)")
     args = parser.parse_args(argv)
-    return asyncio.run(check_task(args.task, args.backend, args.instances, args.limit))
+    return asyncio.run(check_task(args.task, args.backend, args.instances, args.limit, max(1, args.jobs)))
 
 
 if __name__ == "__main__":
