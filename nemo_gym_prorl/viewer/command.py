@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import logging
 import os
 import socket
 from pathlib import Path
@@ -79,7 +80,13 @@ def view(args: list[str]) -> None:
     if not options.file.is_file():
         raise RolloutFileError(f"{options.file}: no such file")
     source = FileSource(options.file, task=options.task)
-    texts = TokenTexts(gguf=_tokenizer_gguf(options.tokenizer, options.file))
+    gguf = _tokenizer_gguf(options.tokenizer, options.file)
+    if gguf is not None:  # a vocabulary-only load makes llama.cpp warn about the context size: not the user's concern
+        from nemo_gym_prorl.models.llama_log import route_llama_logs
+
+        route_llama_logs()
+        logging.getLogger("llama.cpp").setLevel(logging.ERROR)
+    texts = TokenTexts(gguf=gguf)
     sock = _listen(options.host, options.port)
     app = create_viewer_app(source, texts, token=token)
     url = f"http://{options.host}:{sock.getsockname()[1]}/"
