@@ -260,6 +260,11 @@ class WorkerFleet:
         """Every worker's requests stop; returns when none is at a model server (a lost worker has none)."""
         await asyncio.gather(*(w.actor.pause_llm.remote() for w in self.workers), return_exceptions=True)
 
+    async def llm_waiting(self) -> int:
+        """Model requests waiting on every worker (for a resume or a healthy backend)."""
+        counts = await asyncio.gather(*(w.actor.llm_waiting.remote() for w in self.workers), return_exceptions=True)
+        return sum(c for c in counts if isinstance(c, int))
+
     def resume(self) -> None:
         for w in self.workers:
             w.actor.resume_llm.remote()

@@ -205,6 +205,10 @@ class RolloutWorker:
         if self.pool is not None:
             self.pool.resume()
 
+    def llm_waiting(self) -> int:
+        """Requests of this worker waiting for a resume or a healthy backend."""
+        return self.pool.waiting if self.pool is not None else 0
+
     def live(self) -> int:
         return sum(1 for held in self._rollouts.values() if held.episode is not None)
 

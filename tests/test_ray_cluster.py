@@ -1,0 +1,185 @@
+"""The service on a real Ray cluster: a head (no CPUs: no workers there) and two worker nodes started on this
+machine by Ray's own `cluster_utils.Cluster`, each with its own raylet and resources. Rollouts run in real
+bubblewrap sandboxes under the nodes' worker actors, against the stand-in model (a real process, scripted).
+
+One cluster and one Ray-path service for the module; the node-loss test runs last (it kills a node and adds one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import glob
+import os
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import pytest_asyncio
+from ray.cluster_utils import Cluster
+from sandbox_helpers import alive, wait_until
+from standin_helpers import running_standin
+
+from nemo_gym_prorl.cluster.settings import RaySettings
+from nemo_gym_prorl.sandbox.bwrap import TEMP_PREFIX
+from nemo_gym_prorl.service.client import RolloutClient
+from nemo_gym_prorl.service.orchestrator import Deadlines, JobRequest
+from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.service.serve import RunningService, run_service
+from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]
+ROW = {"id": "q1", "question": "Calculate 6 * 7.", "answer": "42"}
+LATENCY_S = 1.5  # each model turn: long enough to act while rollouts are live, short enough to keep the module quick
+NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 << 20, "include_dashboard": False}
+    )
+    try:
+        for _ in range(2):
+            cluster.add_node(**NODE)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[str]:
+    yield from running_standin(SCRIPT, latency_s=LATENCY_S)
+
+
+def config(model_url: str, store: Path, ray: RaySettings) -> ServiceConfig:
+    model = ModelConfig(kind="remote", addresses=[model_url], served_model_name="standin", tool_call_format="codeact")
+    return ServiceConfig(service=ServiceSettings(port=0, store=store), model=model, ray=ray)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def svc(cluster: Cluster, model: str) -> AsyncIterator[RunningService]:
+    with tempfile.TemporaryDirectory(prefix="prorl-ray-test-") as tmp:
+        ray = RaySettings(address=cluster.address, node_poll_s=0.5)
+        async with run_service(config(model, Path(tmp) / "ray.db", ray)) as running:
+            yield running
+
+
+def fleet(svc: RunningService):  # type: ignore[no-untyped-def]
+    assert svc.orchestrator.remote is not None
+    return svc.orchestrator.remote
+
+
+def nodes_with_live_rollouts(svc: RunningService) -> set[str]:
+    return {node for node, s in fleet(svc).status()["nodes"].items() if s["live"]}
+
+
+def sandboxes_under(pid: int) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return [p for p in psutil.Process(pid).children(recursive=True) if p.name() == "bwrap"]
+    return []
+
+
+def sandboxes_by_node(svc: RunningService) -> dict[str, list[psutil.Process]]:
+    found: dict[str, list[psutil.Process]] = {}
+    for worker in fleet(svc).ready_workers():
+        found.setdefault(worker.node_id, []).extend(sandboxes_under(worker.info["pid"]))
+    return found
+
+
+def tokens(trajectory: Trajectory) -> list[dict]:
+    return [{k: m.get(k) for k in (*TOKEN_FIELDS, "role", "content")} for m in trajectory.messages]
+
+
+async def test_ray_rollouts_spread_over_both_nodes_and_match_in_process_ones(svc: RunningService, model: str) -> None:
+    requests = [JobRequest(instance=ROW, n=2, job_id=f"same-{i}", sampling_params={"seed": 11}) for i in range(2)]
+    async with RolloutClient(svc.url) as client:
+        jobs = [await client.submit(r) for r in requests]
+        await wait_until(lambda: len([s for s in sandboxes_by_node(svc).values() if s]) == 2, timeout=120)
+        on_ray = [t for job in jobs for t in (await client.wait(job)).results]
+    with tempfile.TemporaryDirectory(prefix="prorl-ray-test-") as tmp:
+        async with run_service(config(model, Path(tmp) / "local.db", RaySettings())) as local:
+            async with RolloutClient(local.url) as client:
+                jobs = [await client.submit(r) for r in requests]
+                in_process = [t for job in jobs for t in (await client.wait(job)).results]
+    assert [t.critical_error for t in on_ray] == [None] * 4, [t.error for t in on_ray]
+    assert [t.trajectory_id for t in on_ray] == [t.trajectory_id for t in in_process]
+    assert [tokens(t) for t in on_ray] == [tokens(t) for t in in_process]
+    assert [(t.reward, t.finish, t.num_tool_calls) for t in on_ray] == [
+        (t.reward, t.finish, t.num_tool_calls) for t in in_process
+    ]
+    assert any(m.get("generation_token_ids") for m in on_ray[0].messages)
+
+
+async def test_cancel_and_deadlines_reach_rollouts_on_worker_nodes(svc: RunningService) -> None:
+    async with RolloutClient(svc.url) as client:
+        timed = await client.submit(JobRequest(instance=ROW, deadlines=Deadlines(run_s=1.0)))
+        cancelled = await client.submit(JobRequest(instance=ROW, n=2))
+        await wait_until(lambda: sum(map(len, sandboxes_by_node(svc).values())) >= 3, timeout=120)
+        view = await client.cancel(cancelled)
+        assert view.state == "cancelled" and {t.critical_error for t in view.results} == {"cancelled"}
+        [trajectory] = (await client.wait(timed)).results
+    assert trajectory.critical_error == "timeout", trajectory.error
+    assert "run stage ran past its deadline of 1 s" in trajectory.error
+    assert trajectory.messages[:2] and trajectory.timing.run < LATENCY_S + 5
+    await wait_until(lambda: not any(sandboxes_by_node(svc).values()), timeout=30)
+
+
+async def test_a_weight_sync_reaches_every_worker_and_holds_their_deadlines(svc: RunningService) -> None:
+    sync_s, run_s = 6.0, 2 * LATENCY_S + 2  # two model turns fit the run deadline; the sync does not
+    async with RolloutClient(svc.url) as client:
+        await client.pause_llm()  # the trainer starts syncing weights
+        jobs = [await client.submit(JobRequest(instance=ROW, deadlines=Deadlines(run_s=run_s))) for _ in range(2)]
+        async with asyncio.timeout(120):
+            while await fleet(svc).llm_waiting() < 2:  # the first turns wait on both nodes' workers
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(sync_s)  # the sync itself, longer than the run deadline
+        await client.resume_llm()
+        results = [t for job in jobs for t in (await client.wait(job)).results]
+    assert [t.critical_error for t in results] == [None, None], [t.error for t in results]
+    assert all(t.timing.queued >= sync_s and t.timing.run < run_s for t in results), [t.timing for t in results]
+
+
+async def test_a_worker_node_killed_mid_job_loses_no_result_leaves_no_sandbox_and_comes_back(
+    svc: RunningService, cluster: Cluster
+) -> None:
+    async with RolloutClient(svc.url) as client:
+        jobs = [await client.submit(JobRequest(instance=ROW, n=2, job_id=f"kill-{i}")) for i in range(2)]
+        await wait_until(lambda: len([s for s in sandboxes_by_node(svc).values() if s]) == 2, timeout=120)
+        victim_id, sandboxes = next((node, s) for node, s in sandboxes_by_node(svc).items() if s)
+        dirs = {d for d in glob.glob(os.path.join(tempfile.gettempdir(), TEMP_PREFIX + "*"))}
+        workers = [w.info["pid"] for w in fleet(svc).ready_workers() if w.node_id == victim_id]
+        victim = next(n for n in cluster.list_all_nodes() if n.node_id == victim_id)
+        cluster.remove_node(victim, allow_graceful=False)
+        views = [await client.wait(job) for job in jobs]
+        await wait_until(lambda: not alive(sandboxes), timeout=30)  # they die with their worker
+        assert fleet(svc).status()["lost_workers"] >= 1
+
+        results = [t for view in views for t in view.results]
+        assert [t.critical_error for t in results] == [None] * 4, [t.error for t in results]
+        assert sorted(t.trajectory_id for t in results) == ["kill-0:0", "kill-0:1", "kill-1:0", "kill-1:1"]
+        for job in jobs:
+            assert svc.orchestrator.store.result_samples(job) == {0, 1}
+        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in workers)
+
+        comeback = cluster.add_node(**NODE)  # a node joining (or one coming back) gets workers and rollouts
+        await wait_until(lambda: comeback.node_id in fleet(svc).status()["nodes"], timeout=180)
+        jobs = [await client.submit(JobRequest(instance=ROW, n=2)) for _ in range(2)]  # a group per node
+        await wait_until(lambda: comeback.node_id in nodes_with_live_rollouts(svc), timeout=60)
+        assert {t.critical_error for job in jobs for t in (await client.wait(job)).results} == {None}
+    # its new worker swept what the killed sandboxes left on the machine
+    left = {d for d in glob.glob(os.path.join(tempfile.gettempdir(), TEMP_PREFIX + "*"))} & dirs
+    assert not [d for d in left if _owner_dead(d)], left
+
+
+def _owner_dead(root: str) -> bool:
+    try:
+        pid = int(Path(root, ".owner").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return False
+    return not psutil.pid_exists(pid)
