@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import nemo_gym
 import pytest
 
 from nemo_gym_prorl.bench.viewer import trajectory, write_file
 from nemo_gym_prorl.service.store import JobStore
 from nemo_gym_prorl.service.trajectory import Trajectory
+from nemo_gym_prorl.viewer.app import create_viewer_app
 from nemo_gym_prorl.viewer.index import GroupQuery, ListQuery, facets, groups, page
 from nemo_gym_prorl.viewer.records import conversation, summarize
 from nemo_gym_prorl.viewer.sources import FileSource, RolloutFileError, StoreSource
@@ -111,3 +113,18 @@ def test_the_service_source_follows_the_store_as_results_arrive() -> None:
         (0, "j1:0", 0.25), (1, "j2:0", 0.0), (2, "j1:1", 0.5)]
     assert source.row(2)["reward"] == 0.5
     store.close()
+
+
+async def test_a_bad_query_is_refused_naming_the_parameter(tmp_path: Path) -> None:
+    path = tmp_path / "rollouts.jsonl"
+    write_file(path, 8)
+    app = create_viewer_app(FileSource(path))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://viewer") as client:
+        for params, field in (({"reward_min": "high"}, "reward_min"), ({"sort": "colour"}, "sort")):
+            answer = await client.get("/api/trajectories", params=params)
+            assert answer.status_code == 422 and answer.json()["error"]["field"] == field
+        assert (await client.get("/api/trajectories/8")).status_code == 404
+        assert (await client.get("/api/live")).status_code == 404  # a file has no live counters
+        listed = (await client.get("/api/trajectories", params={"sort": "reward", "desc": "true"})).json()
+        assert listed["total"] == 8 and [r["reward"] for r in listed["rows"]] == sorted(
+            (json.loads(line)["reward"] for line in path.read_text().splitlines()), reverse=True)

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from urllib.parse import urlencode
 
 from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
@@ -84,7 +85,7 @@ def create_viewer_app(
         return source.summaries()
 
     def progress() -> dict[str, Any]:
-        return {"indexed": len(source.summaries()), "expected": getattr(source, "expected", None),
+        return {"indexed": len(source.summaries()), "expected": source.expected,
                 "complete": source.complete.is_set(), "error": source.error}
 
     @app.get("/", include_in_schema=False)
@@ -105,7 +106,7 @@ def create_viewer_app(
     async def trajectories(query: Annotated[ListQuery, Query()]) -> dict[str, Any]:
         result = page(await all_rows(query), query)
         if not source.complete.is_set():  # the first page before the whole file is read: the total is its lines
-            result.total = max(result.total, getattr(source, "expected", 0) or 0)
+            result.total = max(result.total, source.expected or 0)
         return {**result.model_dump(), **progress()}
 
     @app.get("/api/groups")
@@ -125,6 +126,12 @@ def create_viewer_app(
         if live is None:
             raise HTTPException(404, "live counters exist only under a running service (/ui)")
         return {"time": time.time(), **live()}
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"] if p != "query")
+        return JSONResponse({"error": {"message": f"{field}: {first['msg']}", "field": field, "code": 422}}, 422)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:

@@ -23,6 +23,7 @@ class RolloutSource(Protocol):
     kind: str  # "file" or "service"
     title: str
     complete: threading.Event  # set once every row is in
+    expected: int | None  # how many rows there will be, when known before they are read
     error: str | None  # what stopped the reading early
 
     def summaries(self) -> Sequence[Summary]: ...
@@ -63,7 +64,8 @@ class FileSource:
         except OSError as e:
             raise RolloutFileError(f"{path}: {e.strerror or e}") from None
         self._bytes = data
-        self.expected = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)  # lines, blank or not
+        # lines, blank or not: the total shown until every row is read
+        self.expected: int | None = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
         self.error: str | None = None
         self.complete = threading.Event()
         self._spans: list[tuple[int, int]] = []
@@ -127,6 +129,7 @@ class StoreSource:
         self._default_task = default_task
         self.complete = threading.Event()
         self.complete.set()  # a look reads whatever is stored by then
+        self.expected: int | None = None
         self.error: str | None = None
         self._lock = threading.Lock()
         self._rowid = 0
