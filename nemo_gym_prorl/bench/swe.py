@@ -8,7 +8,9 @@ patch and hidden tests applied, tests run, graded by swebench). Every eval must 
 
 (b) Eight inits of one instance at once, as the service's init stage runs a group: fresh (`fork_groups: false`,
 eight stagings) against forked (one staging, `fork(8)`), timed until all eight are staged; closing is not
-counted. The sides take turns, round after round; the last line is the ratio of the medians (goal >= 5x).
+counted. The sides take turns, round after round, on the first instance of each project (the projects differ in
+how long a staging takes, which is what forking saves: a fork costs about a sandbox start, so the ratio grows with
+the repository); the last line is the median over projects of the ratio of the medians (goal >= 5x).
 """
 
 from __future__ import annotations
@@ -97,23 +99,28 @@ class GroupSide:
         self.samples.append(await group(self.env, self.instance, self.size))
 
 
-async def fork_vs_fresh(instance: TaskInstance, size: int, rounds: int) -> None:
+async def fork_vs_fresh(instances: list[TaskInstance], size: int, rounds: int) -> None:
     image = BACKENDS["bwrap"]
-    fresh = GroupSide(f"{size} fresh inits", environment("bwrap", image, fork_groups=False), instance, size)
-    forked = GroupSide(f"1 init + fork({size})", environment("bwrap", image, fork_groups=True), instance, size)
-    await take_turns([fresh, forked], rounds, warmup=1)
-    print(f"(b) a group of {size} on bwrap ({instance.instance_id}), {rounds} rounds, p50 / p95:")
-    for side in (fresh, forked):
-        p50, p95 = p50_p95(side.samples)
-        print(f"  {side.name:<20} {p50 * 1e3:7.0f} ms  {p95 * 1e3:7.0f} ms")
-    ratio = statistics.median(fresh.samples) / statistics.median(forked.samples)
-    print(f"fork ratio: {ratio:.1f}x faster to a staged group of {size} (goal >= 5x)")
+    fresh_env, forked_env = environment("bwrap", image, fork_groups=False), environment("bwrap", image)
+    print(f"(b) a group of {size} on bwrap, {rounds} rounds each, p50 / p95 ms: {size} fresh inits | 1 init + "
+          f"fork({size}) | ratio of p50s")  # fmt: skip
+    ratios = []
+    for instance in instances:
+        fresh = GroupSide("fresh", fresh_env, instance, size)
+        forked = GroupSide("forked", forked_env, instance, size)
+        await take_turns([fresh, forked], rounds, warmup=1)
+        (fresh_p50, fresh_p95), (forked_p50, forked_p95) = p50_p95(fresh.samples), p50_p95(forked.samples)
+        ratios.append(fresh_p50 / forked_p50)
+        print(f"  {instance.instance_id:<24} {fresh_p50 * 1e3:6.0f} / {fresh_p95 * 1e3:6.0f} | {forked_p50 * 1e3:6.0f} / "
+              f"{forked_p95 * 1e3:6.0f} | {ratios[-1]:.1f}x")  # fmt: skip
+    print(f"fork ratio: {statistics.median(ratios):.1f}x faster to a staged group of {size} (median over "
+          f"{len(ratios)} projects, {min(ratios):.1f}x to {max(ratios):.1f}x; goal >= 5x)")  # fmt: skip
 
 
 async def _run(rounds: int, group_size: int, fork_rounds: int) -> None:
     instances = first_per_project(load_instances(load_task(TASK).dataset))
     await stages(instances, rounds)
-    await fork_vs_fresh(instances[0], group_size, fork_rounds)
+    await fork_vs_fresh(instances, group_size, fork_rounds)
 
 
 def main(argv: list[str]) -> None:
