@@ -40,7 +40,7 @@ commands:
             prorl rollout task=math model=local sandbox=bwrap n_samples=4 limit=8
             (service.url=http://host:8100 sends the jobs to a running `prorl serve` instead)
   reverify  grade stored rollouts again with the current graders and print what changed, e.g.
-            prorl reverify outputs/rollout/.../rollouts.jsonl [task=math] [verifier.KEY=VALUE] [output=PATH]
+            prorl reverify outputs/rollout/.../rollouts.jsonl [task=math] [+verifier.KEY=VALUE] [output=PATH]
   serve     the rollout service over HTTP (conf/serve.yaml), e.g. prorl serve service.port=8100
   bench     benchmarks: prorl bench model | pipeline | scale | throughput | tools | sandbox
   image     sandbox images: prorl image build [--sif]  (a Debian rootfs from the host's apt sources, cached)
