@@ -101,6 +101,35 @@ def test_a_changed_grader_setting_is_reported_per_instance(standin_model: str, t
     assert [t.reward for t in read(again)] == [1.0, 1.0] and "0 changed" in result.stdout
 
 
+@pytest.fixture(scope="module")
+def programmer_model() -> Iterator[str]:
+    yield from running_standin(["```python\na, b = map(int, input().split())\nprint(a + b)\n```"])
+
+
+def test_code_rollouts_are_graded_again_in_a_sandbox_with_the_new_setting(programmer_model: str, tmp_path: Path) -> None:
+    """The program is run again, in a fresh sandbox, by the code grader; partial credit turned on changes its reward."""
+    tests = {"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "13\n"]}  # the second gold output is wrong
+    (tmp_path / "add.jsonl").write_text(json.dumps({"id": "add", "question": "Print a + b.",
+                                                    "verifier_metadata": {"unit_tests": tests}}) + "\n")
+    task_yaml = tmp_path / "add.yaml"
+    task_yaml.write_text("name: add\ntype: code\ndataset: {path: add.jsonl, id_key: id}\nprompt_template: '{question}'\n"
+                         "tools: [finish]\nmax_turns: 1\n")  # fmt: skip
+    rollouts = tmp_path / "rollouts.jsonl"
+    model = ["model=remote", f"model.addresses=[{programmer_model}]", "model.served_model_name=standin",
+             "model.tool_call_format=hermes"]  # fmt: skip  (the python block is the reply, not a tool call)
+    result = prorl("rollout", f"task.name={task_yaml}", *model, f"output={rollouts}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [old] = read(rollouts)
+    assert old.reward == 0.0 and "print(a + b)" in old.submission["code"], old.evaluation
+
+    regraded = tmp_path / "regraded.jsonl"
+    result = prorl("reverify", str(rollouts), "+verifier.partial_reward=true", f"output={regraded}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [new] = read(regraded)
+    assert (new.reverify.old_reward, new.reward, new.reverify.changed) == (0.0, 0.5, True), new.evaluation
+    assert f"add [{new.trajectory_id[:8]}]: reward 0 → 0.5" in result.stdout, result.stdout
+
+
 def test_what_cannot_be_graded_again_is_one_line(tmp_path: Path) -> None:
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"instance_id": "a", "trajectory_id": "b"}\n{"reward": 1}\n')
