@@ -83,9 +83,9 @@ def test_a_long_file_lists_its_first_rows_at_once_and_the_rest_in_the_background
     with path.open("a") as file:
         file.write("\n{broken\n")
     source = FileSource(path, first_rows=50)
-    assert len(source.summaries()) >= 50 and source.expected == 302
+    assert len(source.summaries()) >= 50 and 250 < (source.expected or 0) < 350  # estimated from the first rows
     assert source.complete.wait(timeout=60)
-    assert len(source.summaries()) == 300  # every good row, then the bad line named
+    assert len(source.summaries()) == source.expected == 300  # every good row, then the bad line named
     assert source.error is not None and source.error.startswith(f"{path}:302: not JSON (")
     assert source.row(299)["trajectory_id"] == "job00074:3"
 

@@ -105,7 +105,7 @@ def create_viewer_app(
     @app.get("/api/trajectories")
     async def trajectories(query: Annotated[ListQuery, Query()]) -> dict[str, Any]:
         result = page(await all_rows(query), query)
-        if not source.complete.is_set():  # the first page before the whole file is read: the total is its lines
+        if not source.complete.is_set():  # the first page before the whole file is read: the total is estimated
             result.total = max(result.total, source.expected or 0)
         return {**result.model_dump(), **progress()}
 

@@ -3,7 +3,10 @@ running service's job store (followed as results arrive)."""
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -13,6 +16,8 @@ import yaml
 
 from nemo_gym_prorl.service.store import JobStore
 from nemo_gym_prorl.viewer.records import RowShapeError, Summary, summarize
+
+_YIELD_EVERY = 8  # rows the background reader parses between two chances for the server's thread to run
 
 
 class RolloutFileError(ValueError):
@@ -48,7 +53,8 @@ class FileSource:
 
     The first `first_rows` rows are read before the source is returned, the rest by a thread of its own, so the
     first page shows at once however long the file; `complete` is set when every row is in (or a bad line stopped
-    the reading: then `error` names its line, and the rows before it are shown)."""
+    the reading: then `error` names its line, and the rows before it are shown). `expected` is an estimate until
+    then."""
 
     kind = "file"
 
@@ -60,20 +66,21 @@ class FileSource:
             task = tasks[0].get("name") if isinstance(tasks[0], dict) else None
         self._task = task
         try:
-            data = path.read_bytes()
+            with path.open("rb") as file:  # mapped, not read: the first page needs only the first rows' bytes
+                size = os.fstat(file.fileno()).st_size
+                self._bytes: bytes | mmap.mmap = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         except OSError as e:
             raise RolloutFileError(f"{path}: {e.strerror or e}") from None
-        self._bytes = data
-        # lines, blank or not: the total shown until every row is read
-        self.expected: int | None = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
         self.error: str | None = None
         self.complete = threading.Event()
         self._spans: list[tuple[int, int]] = []
         self._summaries: list[Summary] = []
         rest = self._read(0, 0, first_rows)
         if rest is None:
+            self.expected: int | None = len(self._summaries)
             self.complete.set()
-        else:
+        else:  # until every row is read, the total shown is estimated from the first rows' length
+            self.expected = round(size / (rest[0] / len(self._summaries))) if self._summaries else None
             threading.Thread(target=self._read_rest, args=rest, name=f"index {path.name}", daemon=True).start()
 
     def _read(self, start: int, line: int, limit: int | None) -> tuple[int, int] | None:
@@ -97,6 +104,8 @@ class FileSource:
                 self._spans.append((start, end))
                 self._summaries.append(summary)
                 read += 1
+                if limit is None and read % _YIELD_EVERY == 0:
+                    time.sleep(0)  # hand the interpreter to the server's thread: pages answer while this reads
             start = end + 1
         return None
 
@@ -106,6 +115,7 @@ class FileSource:
         except RolloutFileError as e:
             self.error = str(e)
         finally:
+            self.expected = len(self._summaries)
             self.complete.set()
 
     def summaries(self) -> Sequence[Summary]:

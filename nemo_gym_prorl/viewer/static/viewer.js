@@ -65,14 +65,14 @@ async function loadFacets() {
 }
 
 function showProgress(progress) {
-  const line = progress.complete ? "" : `reading… ${progress.indexed} of ${progress.expected} rows`;
+  const line = progress.complete ? "" : `reading… ${progress.indexed} of ≈${progress.expected} rows`;
   $("#progress").textContent = progress.error ? `stopped reading: ${progress.error}` : line;
 }
 
 async function loadList() {
   const params = {...filterParams(), sort: state.sort, desc: state.desc, offset: state.offset, limit: PAGE_SIZE};
   const page = await api("trajectories", params);
-  $("#total").textContent = page.total;
+  $("#total").textContent = page.complete ? page.total : `≈${page.total}`;
   const last = Math.min(state.offset + page.rows.length, page.total);
   $("#shown").textContent = page.total ? `${state.offset + 1}–${last}` : "none";
   $("#prev").disabled = state.offset === 0;
