@@ -243,17 +243,13 @@ def test_a_trajectory_page_shows_its_tool_calls_outputs_and_token_log_probs(brow
     assert math.isclose(float(lines[2].split()[1]), first_turn["generation_log_probs"][1], abs_tol=1e-4)
 
 
-def test_a_gym_eval_run_file_lists_its_rows_and_tool_calls(browser: Chrome, tmp_path: Path) -> None:
+def test_a_gym_eval_run_file_lists_its_rows_and_tool_calls(browser: Chrome) -> None:
     """A file NeMo Gym's `gym eval run` wrote (the example rollouts Gym ships for its multi-step server)."""
     import nemo_gym
 
     shipped = Path(nemo_gym.__file__).parents[1] / "resources_servers/example_multi_step/data/example_rollouts.jsonl"
     rows = [json.loads(line) for line in shipped.read_text().splitlines() if line.strip()]
-    process = subprocess.Popen([sys.executable, "-m", "nemo_gym_prorl.cli", "view", str(shipped), "--port", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout is not None
-        url = process.stdout.readline().split()[-1]
+    with serving_in_thread(create_viewer_app(FileSource(shipped))) as url:  # prorl view's app, in this process
         browser.get(url)
         wait_for(browser, lambda: len(listed(browser)) == min(len(rows), 50), "the Gym rows were not all listed")
         assert [r for _, r in listed(browser)] == [float(row["reward"]) for row in rows][:50]
@@ -262,9 +258,6 @@ def test_a_gym_eval_run_file_lists_its_rows_and_tool_calls(browser: Chrome, tmp_
         expected = [i["name"] for i in rows[0]["response"]["output"] if i["type"] == "function_call"]
         assert [c.splitlines()[0] for c in calls] == expected
         assert len(browser.find_elements("css selector", ".entry.role-tool")) == len(expected)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def test_the_live_page_updates_while_a_job_runs(browser: Chrome, service_url: str, client: SyncRolloutClient,
