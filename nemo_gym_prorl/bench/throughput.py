@@ -9,6 +9,9 @@ them:
 - service: `run_service` (its pipeline at concurrency N: N rollouts in init+run, N/4 more in verify), the task a
   `type: gym` YAML pointing at the resources server, chat completions + Hermes on the stand-in; the jobs (one per
   row, `--group` samples each) submitted over HTTP with `RolloutClient`.
+- ray: the same service with `ray.local_workers` = one per core (a local Ray; each rollout's init/run/eval in a
+  worker actor, the head keeping HTTP, jobs and queues); its orchestrator CPU is this process's plus every process
+  of that Ray (GCS, raylet, the workers).
 - gym: `gym eval run --no-serve --concurrency N --num-repeats G`, as Gym runs it: its collector → the legacy_agent
   environment server → simple_agent → Gym's vllm_model → the stand-in, with simple_agent calling the tool and
   /verify on the resources server.
@@ -23,12 +26,13 @@ that phase:
   environment server + simple_agent + vllm_model.
 - the model's and the resources server's CPU per rollout are printed beside it: the same work on both sides.
 
-This machine's speed drifts by tens of percent over minutes, so at each concurrency the service runs once before
-Gym's run and once after it (the same rollouts each time), and its figures are over both runs together.
+This machine's speed drifts by tens of percent over minutes, so at each concurrency each service side runs once
+before Gym's run and once after it (the same rollouts each time: service, ray, gym, ray, service), and its figures
+are over both runs together.
 
 Checks: both sides finish every rollout, with the same rewards; the resources server served 3 tool calls and one
 verify per rollout for each, and each rollout's /verify saw its own session's 3 calls. The last line is the
-headline: the throughput ratio at each concurrency.
+headline: the Ray path's throughput over Gym's at each concurrency.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from typing import Any, Self
 import httpx
 import psutil
 
+from nemo_gym_prorl.cluster.settings import RaySettings
 from nemo_gym_prorl.gym.processes import GymEnv, gym_env_start, gym_environ, run_gym, session_members
 from nemo_gym_prorl.gym.venvs import ensure_venv_links
 from nemo_gym_prorl.models.launcher import ModelServerProcess
@@ -260,7 +265,9 @@ class ResourcesServerStats:
             return response.json()
 
 
-def service_config(model_url: str, task_yaml: Path, concurrency: int, store: Path, max_n: int) -> ServiceConfig:
+def service_config(
+    model_url: str, task_yaml: Path, concurrency: int, store: Path, max_n: int, ray: RaySettings | None = None
+) -> ServiceConfig:
     pipeline = PipelineConfig(
         init=StageConfig(workers=concurrency, deadline_s=600),
         run=StageConfig(workers=concurrency, deadline_s=3600),
@@ -275,15 +282,18 @@ def service_config(model_url: str, task_yaml: Path, concurrency: int, store: Pat
         kind="remote", addresses=[model_url], served_model_name="standin", tool_call_format="hermes",
         generation_mode="chat",
     )  # fmt: skip
-    return ServiceConfig(service=settings, model=model)
+    return ServiceConfig(service=settings, model=model, ray=ray or RaySettings())
 
 
 async def run_service_side(
     model_url: str, resources: ResourcesServerStats, task_yaml: Path, rows: list[dict[str, Any]], group: int,
-    concurrency: int, sampler: CpuSampler, store: Path,
+    concurrency: int, sampler: CpuSampler, store: Path, ray: RaySettings | None = None,
 ) -> SideResult:  # fmt: skip
-    config = service_config(model_url, task_yaml, concurrency, store, group)
+    config = service_config(model_url, task_yaml, concurrency, store, group, ray)
+    before = _tree(os.getpid())
     async with run_service(config) as service:
+        if ray is not None:  # the local Ray it started: GCS, raylet, the worker actors
+            sampler.watch("ray", *(_tree(os.getpid()) - before), tree=False)
         await resources.reset()
         # The whole batch at once, as a trainer hands it over. The results are durable, so waiting on the jobs in
         # turn (one stream at a time, on a connection of its own) misses nothing. (A connection the submitting
@@ -293,7 +303,8 @@ async def run_service_side(
         async with RolloutClient(service.url, timeout_s=600) as client:
             trajectories = [t for job in jobs for t in (await client.wait(job)).results]
     stats = await resources.read()
-    return await _side_result("service", concurrency, stats, sampler, trajectories_summary(trajectories))
+    side = "service" if ray is None else "ray"
+    return await _side_result(side, concurrency, stats, sampler, trajectories_summary(trajectories))
 
 
 Outcome = tuple[int, int, Counter[tuple[float, int]], list[str]]  # rollouts, ok, verdicts, errors
@@ -351,7 +362,7 @@ GYM_ORCHESTRATOR_ROLES = ("gym collector", "gym environment server", "gym simple
 
 
 def orchestrator_cpu_ms(result: SideResult) -> float:
-    roles = ("service",) if result.side == "service" else GYM_ORCHESTRATOR_ROLES
+    roles = {"service": ("service",), "ray": ("service", "ray")}.get(result.side, GYM_ORCHESTRATOR_ROLES)
     return sum(result.cpu_ms_per_rollout(role) for role in roles)
 
 
@@ -372,9 +383,12 @@ def check_same_work(ours: SideResult, gym: SideResult) -> list[str]:
     return problems
 
 
-def report_level(ours: SideResult, gym: SideResult) -> str:
-    lines = [f"concurrency {ours.concurrency}: {gym.rollouts} rollouts by Gym, as many by the service before and after"]
-    for r in (ours, gym):
+def report_level(ours: SideResult, ray: SideResult, gym: SideResult) -> str:
+    lines = [
+        f"concurrency {ours.concurrency}: {gym.rollouts} rollouts by Gym, as many by each service side before and "
+        "after"
+    ]
+    for r in (ours, ray, gym):
         cpu = {role: r.cpu_ms_per_rollout(role) for role in ("model", "resources server", "other gym processes")}
         lines.append(
             f"  {r.side:8s} {r.rollouts_per_s:7.1f} rollouts/s  phase {r.phase_s:6.2f} s  "
@@ -389,13 +403,16 @@ def report_level(ours: SideResult, gym: SideResult) -> str:
     lines.append(f"  gym orchestrator CPU by process (ms/rollout): {gym_parts}")
     # With every core busy, rollouts/s follow the CPU all processes spend per rollout. The model, the resources
     # server and Gym's idle processes are shared work: even an orchestrator that cost nothing would not pass this.
-    ours_all, gym_all = ours.all_cpu_ms_per_rollout, gym.all_cpu_ms_per_rollout
+    ours_all, ray_all, gym_all = ours.all_cpu_ms_per_rollout, ray.all_cpu_ms_per_rollout, gym.all_cpu_ms_per_rollout
     shared = ours_all - orchestrator_cpu_ms(ours)
     lines.append(
-        f"  CPU per rollout, all processes: gym/ours {gym_all / ours_all:.2f}x; "
+        f"  CPU per rollout, all processes: gym/service {gym_all / ours_all:.2f}x, gym/ray {gym_all / ray_all:.2f}x; "
         f"ceiling with a zero-CPU orchestrator on our side: {gym_all / shared:.2f}x"
     )
-    lines.append(f"  ratio: {ours.rollouts_per_s / gym.rollouts_per_s:.2f}x rollouts/s")
+    lines.append(
+        f"  ratio: service {ours.rollouts_per_s / gym.rollouts_per_s:.2f}x, "
+        f"ray {ray.rollouts_per_s / gym.rollouts_per_s:.2f}x rollouts/s over gym"
+    )
     return "\n".join(lines)
 
 
@@ -408,6 +425,8 @@ class Plan:
     group: int
     warmup: int
     resources_workers: int
+    ray_workers: int
+    ray_object_store_mb: int
 
     def rollouts(self, concurrency: int) -> int:
         """Per side at `concurrency`: enough that the ramp up and down stays a small part of the phase."""
@@ -440,33 +459,35 @@ async def _run(plan: Plan) -> None:
                 resources = ResourcesServerStats(env.servers[RESOURCES_SERVER]["url"])
                 print(f"gym env up: {', '.join(env.servers)}; stand-in model at {model.base_url}", flush=True)
 
-                async def level(concurrency: int, rollouts: int) -> tuple[SideResult, SideResult]:
-                    """Service, Gym, service again: the machine's speed drifts over minutes, and the service's two
-                    runs, together as long as Gym's one, are centred on it in time."""
+                async def level(concurrency: int, rollouts: int) -> tuple[SideResult, SideResult, SideResult]:
+                    """Service, Ray, Gym, Ray, service: the machine's speed drifts over minutes, and each service
+                    side's two runs are centred on Gym's in time."""
                     group = plan.group
                     n_rows = max(1, rollouts // group)
                     rows = [bench_row(i) for i in range(n_rows)]
                     rows_path = write_jsonl(tmp / f"rows-{concurrency}.jsonl", rows)
                     task_yaml = gym_task_yaml(tmp / f"task-{concurrency}.yaml", rows_path, resources.url)
 
-                    async def ours(run: int) -> SideResult:
+                    async def ours(run: str, ray: RaySettings | None = None) -> SideResult:
                         return await run_service_side(
                             model.base_url, resources, task_yaml, rows, group, concurrency, sampler,
-                            tmp / f"jobs-{concurrency}-{run}.db",
+                            tmp / f"jobs-{concurrency}-{run}.db", ray,
                         )
 
-                    before = await ours(1)
+                    ray = RaySettings(local_workers=plan.ray_workers, object_store_mb=plan.ray_object_store_mb)
+                    before, ray_before = await ours("service-1"), await ours("ray-1", ray)
                     gym = await run_gym_side(
                         env, resources, rows_path, n_rows, group, concurrency, sampler, environ, tmp
                     )
-                    after = await ours(2)
-                    if problems := check_same_work(before, gym) + check_same_work(after, gym):
-                        raise SystemExit("throughput: the two sides did not do the same work:\n" + "\n".join(problems))
-                    return before + after, gym
+                    ray_after, after = await ours("ray-2", ray), await ours("service-2")
+                    problems = [p for r in (before, ray_before, ray_after, after) for p in check_same_work(r, gym)]
+                    if problems:
+                        raise SystemExit("throughput: the sides did not do the same work:\n" + "\n".join(problems))
+                    return before + after, ray_before + ray_after, gym
 
                 if plan.warmup:  # first requests pay for imports, connections and caches on both sides
-                    ours, gym = await level(plan.warmup, plan.rollouts_per_slot * plan.warmup)
-                    rates = f"service {ours.rollouts_per_s:.1f}/s, gym {gym.rollouts_per_s:.1f}/s"
+                    ours, on_ray, gym = await level(plan.warmup, plan.rollouts_per_slot * plan.warmup)
+                    rates = f"service {ours.rollouts_per_s:.1f}/s, ray {on_ray.rollouts_per_s:.1f}/s, gym {gym.rollouts_per_s:.1f}/s"
                     print(f"warm-up at concurrency {plan.warmup} (not reported): {rates}", flush=True)
                 results = []
                 for concurrency in plan.levels:
@@ -476,15 +497,17 @@ async def _run(plan: Plan) -> None:
     print(
         "definitions: rollouts/s = rollouts / rollout phase (the resources server's first /seed_session to the end of "
         "its last /verify); orchestrator CPU = CPU of the orchestrating processes in that phase per rollout "
-        "(service: this process, the service and its client; gym: eval-run collector + environment server + "
-        "simple_agent + vllm_model)"
+        "(service: this process, the service and its client; ray: that + the local Ray's processes; gym: eval-run "
+        "collector + environment server + simple_agent + vllm_model)"
     )
-    ratios = ", ".join(f"{o.rollouts_per_s / g.rollouts_per_s:.2f}x at {o.concurrency}" for o, g in results)
-    overhead = ", ".join(f"{orchestrator_cpu_ms(o):.1f} vs {orchestrator_cpu_ms(g):.1f} ms" for o, g in results)
-    worst = min(o.rollouts_per_s / g.rollouts_per_s for o, g in results)
+    ratios = ", ".join(f"{r.rollouts_per_s / g.rollouts_per_s:.2f}x at {r.concurrency}" for _, r, g in results)
+    in_process = ", ".join(f"{o.rollouts_per_s / g.rollouts_per_s:.2f}x" for o, _, g in results)
+    overhead = ", ".join(f"{orchestrator_cpu_ms(r):.1f} vs {orchestrator_cpu_ms(g):.1f} ms" for _, r, g in results)
+    worst = min(r.rollouts_per_s / g.rollouts_per_s for _, r, g in results)
     print(
-        f"throughput: service vs Gym simple_agent on the same resources server and model: {ratios} "
-        f"(min {worst:.2f}x; orchestrator CPU per rollout {overhead})"
+        f"throughput: service on Ray ({plan.ray_workers} workers, one per core) vs Gym simple_agent on the same "
+        f"resources server and model: {ratios} (min {worst:.2f}x, goal 3x; in-process service {in_process}; "
+        f"orchestrator CPU per rollout, ray vs gym: {overhead})"
     )
 
 
@@ -498,7 +521,7 @@ def _tree(pid: int) -> set[int]:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="prorl bench throughput", description=__doc__.split("\n")[0])
-    parser.add_argument("--levels", type=int, nargs="+", default=[64, 256, 1024], help="concurrency levels")
+    parser.add_argument("--levels", type=int, nargs="+", default=[256, 1024], help="concurrency levels")
     parser.add_argument("--rollouts-per-slot", type=int, default=4, help="rollouts per level = this x concurrency")
     parser.add_argument("--min-rollouts", type=int, default=1024, help="floor on the rollouts of one level")
     parser.add_argument("--max-rollouts", type=int, default=2048, help="cap on the rollouts of one level")
@@ -508,5 +531,9 @@ def main(argv: list[str]) -> None:
         "--resources-workers", type=int, default=os.cpu_count() or 1,
         help="uvicorn workers of the resources server (Gym's num_workers); default: one per core",
     )  # fmt: skip
+    parser.add_argument(
+        "--ray-workers", type=int, default=os.cpu_count() or 1, help="Ray side: worker actors (default: one per core)"
+    )
+    parser.add_argument("--ray-object-store-mb", type=int, default=128, help="Ray side: the local object store")
     args = parser.parse_args(argv)
     asyncio.run(_run(Plan(**vars(args))))

@@ -77,6 +77,10 @@ class RemoteEnvironment(Environment):
         if self.worker is None:
             return
         try:
+            if self.report is not None and self.report.closed:  # the worker closed it when the run ended
+                if self.report.close_error is not None:
+                    raise self.report.close_error
+                return
             await self.call(self.worker, "close")
         finally:
             self._release()

@@ -66,6 +66,8 @@ class RunReport(BaseModel):
     timed_out: bool = False
     held_s: float = 0.0
     error: BaseException | None = None
+    closed: bool = False  # a finished run closes its sandbox at once (one call less per rollout)
+    close_error: BaseException | None = None
 
     @classmethod
     def of(cls, outcome: AgentOutcome, **extra: Any) -> RunReport:
@@ -144,7 +146,14 @@ class RolloutWorker:
             return RunReport.of(outcome, error=e, held_s=clock.held_s if clock else 0.0)
         finally:
             self.pool.release(trajectory_id)
-        return RunReport.of(outcome, submission=submission, held_s=clock.held_s)
+        self._rollouts.pop(key, None)
+        close_error = None
+        try:
+            await env.close(held.episode)
+        except Exception as e:  # said by the head's close, as in-process
+            close_error = e
+        held.episode = None
+        return RunReport.of(outcome, submission=submission, held_s=clock.held_s, closed=True, close_error=close_error)
 
     async def grade(self, key: str, task: str, instance: TaskInstance, submission: Submission) -> Evaluation:
         held = self._rollouts.setdefault(key, _Held())
