@@ -8,7 +8,8 @@ patch and hidden tests applied, tests run, graded by swebench). Every eval must 
 
 (b) Eight inits of one instance at once, as the service's init stage runs a group: fresh (`fork_groups: false`,
 eight stagings) against forked (one staging, `fork(8)`), timed until all eight are staged; closing is not
-counted. The sides take turns, round after round, on the first instance of each project (the projects differ in
+counted in the time; the CPU seconds a group costs (ours and our children's, closing included) are shown
+beside it: what forking saves a machine busy with many groups. The sides take turns, round after round, on the first instance of each project (the projects differ in
 how long a staging takes, which is what forking saves: a fork costs about a sandbox start, so the ratio grows with
 the repository); the last line is the median over projects of the ratio of the medians (goal >= 5x).
 """
@@ -21,6 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from nemo_gym_prorl.bench.sandbox import cpu_seconds
 from nemo_gym_prorl.bench.tools import p50_p95, take_turns
 from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
 from nemo_gym_prorl.envs.swe import SweEnvironment
@@ -76,15 +78,16 @@ async def stages(instances: list[TaskInstance], rounds: int) -> None:
         print(f"  {backend:<10} init {init * 1e3:7.0f} ms   run {run * 1e3:7.0f} ms   eval {evaluate * 1e3:7.0f} ms")
 
 
-async def group(env: SweEnvironment, instance: TaskInstance, size: int) -> float:
-    started = time.perf_counter()
+async def group(env: SweEnvironment, instance: TaskInstance, size: int) -> tuple[float, float]:
+    """Seconds until `size` inits of `instance` are staged, and the CPU seconds of the group, closing included."""
+    cpu, started = cpu_seconds(), time.perf_counter()
     episodes = await asyncio.gather(*(env.init(instance) for _ in range(size)), return_exceptions=True)
     elapsed = time.perf_counter() - started
     await asyncio.gather(*(env.close(e) for e in episodes if not isinstance(e, BaseException)))
     failures = [e for e in episodes if isinstance(e, BaseException)]
     if failures:
         raise failures[0]
-    return elapsed
+    return elapsed, cpu_seconds() - cpu
 
 
 @dataclass
@@ -94,16 +97,19 @@ class GroupSide:
     instance: TaskInstance
     size: int
     samples: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
 
     async def measure(self) -> None:
-        self.samples.append(await group(self.env, self.instance, self.size))
+        elapsed, cpu = await group(self.env, self.instance, self.size)
+        self.samples.append(elapsed)
+        self.cpu.append(cpu)
 
 
 async def fork_vs_fresh(instances: list[TaskInstance], size: int, rounds: int) -> None:
     image = BACKENDS["bwrap"]
     fresh_env, forked_env = environment("bwrap", image, fork_groups=False), environment("bwrap", image)
     print(f"(b) a group of {size} on bwrap, {rounds} rounds each, p50 / p95 ms: {size} fresh inits | 1 init + "
-          f"fork({size}) | ratio of p50s")  # fmt: skip
+          f"fork({size}) | ratio of p50s | CPU s p50 fresh / forked")  # fmt: skip
     ratios = []
     for instance in instances:
         fresh = GroupSide("fresh", fresh_env, instance, size)
@@ -111,8 +117,9 @@ async def fork_vs_fresh(instances: list[TaskInstance], size: int, rounds: int) -
         await take_turns([fresh, forked], rounds, warmup=1)
         (fresh_p50, fresh_p95), (forked_p50, forked_p95) = p50_p95(fresh.samples), p50_p95(forked.samples)
         ratios.append(fresh_p50 / forked_p50)
+        cpu = f"{statistics.median(fresh.cpu):.2f} / {statistics.median(forked.cpu):.2f}"
         print(f"  {instance.instance_id:<24} {fresh_p50 * 1e3:6.0f} / {fresh_p95 * 1e3:6.0f} | {forked_p50 * 1e3:6.0f} / "
-              f"{forked_p95 * 1e3:6.0f} | {ratios[-1]:.1f}x")  # fmt: skip
+              f"{forked_p95 * 1e3:6.0f} | {ratios[-1]:.1f}x | {cpu}")  # fmt: skip
     print(f"fork ratio: {statistics.median(ratios):.1f}x faster to a staged group of {size} (median over "
           f"{len(ratios)} projects, {min(ratios):.1f}x to {max(ratios):.1f}x; goal >= 5x)")  # fmt: skip
 
