@@ -301,10 +301,17 @@ def test_pages_under_a_token_protected_service_refuse_requests_without_it(browse
     wait_for(browser, lambda: len(listed(browser)) >= 4, "with the token the service's rollouts are listed")
 
 
-def test_prorl_view_refuses_a_file_it_cannot_show_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_prorl_view_refuses_what_it_cannot_show_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PRORL_SERVICE_TOKEN", raising=False)
     bad = tmp_path / "rollouts.jsonl"
     bad.write_text('{"instance_id": "a", "trajectory_id": "j:0", "reward": 1}\nnot json\n')
-    for argv, message in (([str(bad)], f"{bad}:2: not JSON"), ([str(tmp_path / "none.jsonl")], "no such file")):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"instance_id": "a", "trajectory_id": "j:0", "reward": 1}\n')
+    cases = (([str(bad)], f"{bad}:2: not JSON"), ([str(tmp_path / "none.jsonl")], "no such file"),
+             ([str(good), "--host", "0.0.0.0"], "--host 0.0.0.0 (not loopback) needs a token"),
+             ([str(good), "--tokenizer", str(tmp_path / "none.gguf")], "none.gguf: no such file"))
+    for argv, message in cases:
         with pytest.raises(SystemExit) as stopped:
             main(["view", *argv, "--port", "0"])
         assert stopped.value.code == 2
