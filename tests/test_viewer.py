@@ -364,3 +364,17 @@ def test_regraded_rollouts_show_old_and_new_rewards_side_by_side(browser: Chrome
         assert browser.find_element("css selector", "#evaluation .old-reward").text == "0.000"
         assert browser.find_element("css selector", "#evaluation .new-reward").text == "1.000"
         assert "old grader" in browser.find_element("css selector", "#evaluation").text
+
+
+def test_a_patch_shows_as_a_diff(browser: Chrome, rollouts: Path, tmp_path: Path) -> None:
+    """A SWE rollout's trajectory keeps the patch it was graded on (`submission.patch`): shown as a diff."""
+    patch = "diff --git a/m.py b/m.py\n--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-return a - b\n+return a + b\n"
+    trajectory = Trajectory.model_validate_json(rollouts.read_text().splitlines()[0])
+    path = tmp_path / "swe.jsonl"
+    path.write_text(trajectory.model_copy(update={"submission": {"patch": patch}}).model_dump_json() + "\n")
+    with serving_in_thread(create_viewer_app(FileSource(path))) as url:
+        browser.get(url + "#/t/0")
+        diff = browser.find_element("css selector", "#patch")
+        assert [line.text for line in diff.find_elements("css selector", ".diff-add")] == ["+return a + b"]
+        assert [line.text for line in diff.find_elements("css selector", ".diff-del")] == ["-return a - b"]
+        assert diff.find_element("css selector", ".diff-hunk").text == "@@ -1 +1 @@"
