@@ -182,6 +182,10 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP Over
         match = re.search(r"JobState=(\S+)", text)
         return match.group(1) if match else "UNKNOWN"
 
+    def cancel(self, job_id: str) -> None:
+        """``scancel`` the job (nothing happens to one that has ended already)."""
+        self._run_ok("scancel", job_id)
+
     def wait_ended(self, job_id: str, timeout_s: float = 120) -> str:
         """The job's final state (COMPLETED, CANCELLED, FAILED, ...), once it is no longer pending, running or
         completing."""

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "scripts" / "slurm" / "prorl_ray.sbatch"
 TOKEN = "slurm-test-token"
 SLOTS_PER_WORKER = 3
+SANDBOX_PROCESS = {"bwrap": "bwrap", "apptainer": "Apptainer runtime parent"}  # how a live sandbox shows in ps
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +44,9 @@ def model() -> Iterator[str]:
 
 @pytest.fixture
 def job_dir() -> Iterator[Path]:
-    """The job's Ray session folder (``ray/``) and TMPDIR (``tmp/``: its sandboxes' temp dirs and disks): short, since
-    Ray's socket paths must fit in 107 bytes (pytest's tmp_path is too deep)."""
+    """The job's folder on the node (PRORL_JOB_DIR: Ray's session and the sandboxes' TMPDIR, with their disks):
+    short, since Ray's socket paths must fit in 107 bytes (pytest's tmp_path is too deep)."""
     path = Path(tempfile.mkdtemp(prefix="prorl-slurm-"))
-    path.chmod(0o755)  # the sandboxes' unprivileged users pass through it, as through /tmp
-    (path / "tmp").mkdir(mode=0o1777)
-    (path / "tmp").chmod(0o1777)
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -89,11 +87,18 @@ def names(processes: list[psutil.Process]) -> list[str]:
     return found
 
 
+@pytest.mark.parametrize("sandbox", ["bwrap", "apptainer"])
 async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
-    cluster: SlurmCluster, model: str, job_dir: Path, tmp_path: Path
+    sandbox: str, request: pytest.FixtureRequest, cluster: SlurmCluster, model: str, job_dir: Path, tmp_path: Path
 ) -> None:
     output = tmp_path / "job.out"
+    backend = {}
+    if sandbox == "apptainer":  # Apptainer installed and the default image built, as on an HPC node
+        request.getfixturevalue("sif")
+        backend = {"PRORL_APPTAINER": request.getfixturevalue("installed")}
     env = {
+        **backend,
+        "SANDBOX": sandbox,
         "PRORL_ROOT": str(ROOT),
         "PRORL_SERVICE_TOKEN": TOKEN,
         "PORT": str(free_port()),
@@ -101,8 +106,7 @@ async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
         "RAY_NODES_PER_HOST": "2",  # a head and one more Ray node, both on this one Slurm node
         "RAY_CPUS_PER_NODE": "1",
         "RAY_OBJECT_STORE_MB": "100",
-        "RAY_TEMP_DIR": str(job_dir / "ray"),
-        "TMPDIR": str(job_dir / "tmp"),
+        "PRORL_JOB_DIR": str(job_dir),
         "RUN_DIR": str(tmp_path / "run"),
         "WORKERS_PER_NODE": "1",
         "SLOTS_PER_WORKER": str(SLOTS_PER_WORKER),
@@ -110,30 +114,34 @@ async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
         "SERVE_OVERRIDES": "model.served_model_name=standin model.tool_call_format=codeact",
     }
     job_id = cluster.sbatch(SBATCH, "--nodes=1", f"--output={output}", f"--chdir={tmp_path}", env=env)
-    url = wait_for_url(cluster, job_id, output)
-    assert (tmp_path / "run" / "service.url").read_text().strip() == url
+    try:
+        url = wait_for_url(cluster, job_id, output)
+        assert (tmp_path / "run" / "service.url").read_text().strip() == url
 
-    async with RolloutClient(url, TOKEN, timeout_s=120) as client:
-        nodes = await wait_for_nodes(client, 2)
-        assert [node["slots"] for node in nodes.values()] == [SLOTS_PER_WORKER, SLOTS_PER_WORKER]
-        done = await client.wait(await client.submit(JobRequest(instance=ROW, n=2)))
-        assert done.state == "done"
-        assert [(t.reward, t.critical_error) for t in done.results] == [(1.0, None), (1.0, None)]
+        async with RolloutClient(url, TOKEN, timeout_s=120) as client:
+            nodes = await wait_for_nodes(client, 2)
+            assert [node["slots"] for node in nodes.values()] == [SLOTS_PER_WORKER, SLOTS_PER_WORKER]
+            done = await client.wait(await client.submit(JobRequest(instance=ROW, n=2)))
+            assert done.state == "done"
+            assert [(t.reward, t.critical_error) for t in done.results] == [(1.0, None), (1.0, None)]
 
-        await client.submit(JobRequest(instance=ROW, n=2))
-        async with asyncio.timeout(60):
-            while (await client.status())["stages"]["run"]["active"] < 2:
-                await asyncio.sleep(0.2)
-        live = cluster.job_processes()
-        started = names(live)
-        assert sum("raylet" in name for name in started) == 2, started
-        assert any("prorl serve" in name for name in started), started
-        assert any(name.startswith("bwrap") for name in started), started  # rollouts live in the job's sandboxes
-        assert mounts_under(job_dir)  # their disks
+            await client.submit(JobRequest(instance=ROW, n=2))
+            async with asyncio.timeout(60):
+                while (await client.status())["stages"]["run"]["active"] < 2:
+                    await asyncio.sleep(0.2)
+            live = cluster.job_processes()
+            started = names(live)
+            assert sum("raylet" in name for name in started) == 2, started
+            assert any("prorl serve" in name for name in started), started
+            assert any(name.startswith(SANDBOX_PROCESS[sandbox]) for name in started), started  # the live rollouts
+            assert mounts_under(job_dir)  # their disks
 
-    cluster.run("scancel", job_id)
-    gone, alive = psutil.wait_procs(live, timeout=3 * cluster.kill_wait_s + 30)
-    assert names(alive) == []
-    assert names(cluster.job_processes()) == []  # nothing started later either
-    assert mounts_under(job_dir) == []
-    assert cluster.wait_ended(job_id) == "CANCELLED"
+        cluster.run("scancel", job_id)
+        gone, alive = psutil.wait_procs(live, timeout=3 * cluster.kill_wait_s + 30)
+        assert names(alive) == []
+        assert names(cluster.job_processes()) == []  # nothing started later either
+        assert mounts_under(job_dir) == [] and not job_dir.exists()  # the sandboxes' disks and the job's folder
+        assert cluster.wait_ended(job_id) == "CANCELLED"
+    finally:  # a failed check leaves no job running into the next test or the temp dirs' removal
+        cluster.cancel(job_id)
+        cluster.wait_ended(job_id)

@@ -2,14 +2,20 @@
 # One Slurm node's share of the rollout service's Ray cluster; prorl_ray.sbatch runs it with srun, one task per node:
 #   ray_node.sh head     the Ray head (GCS) at $RAY_HEAD_IP:$RAY_PORT, plus RAY_NODES_PER_HOST-1 more Ray nodes
 #   ray_node.sh worker   RAY_NODES_PER_HOST Ray nodes joined to that head
+#   ray_node.sh make-job-dir   only make this node's job folder (what the others do first)
 # Each Ray node is a `ray start --block` in the foreground of this script, so every Ray process (raylet, workers,
 # the rollout actors and their sandboxes) stays in the Slurm step's process tree: a scancel's SIGTERM/SIGKILL
 # reaches all of them. More than one Ray node per host is for trying multi-node behaviour on one machine.
-# Environment (set by prorl_ray.sbatch): PRORL_ROOT, SANDBOX, RAY_HEAD_IP, RAY_PORT, RAY_TEMP_DIR, RAY_NODES_PER_HOST,
-# RAY_CPUS_PER_NODE, RAY_OBJECT_STORE_MB.
+# Environment (set by prorl_ray.sbatch): PRORL_ROOT, PRORL_JOB_DIR, RAY_TEMP_DIR and TMPDIR (in it), SANDBOX,
+# RAY_HEAD_IP, RAY_PORT, RAY_NODES_PER_HOST, RAY_CPUS_PER_NODE, RAY_OBJECT_STORE_MB.
 set -euo pipefail
 
-role="${1:?head or worker}"
+role="${1:?head, worker or make-job-dir}"
+# The job's folder on this node: Ray's session, and the sandboxes' TMPDIR, which their unprivileged users pass through
+mkdir -p "$RAY_TEMP_DIR" "$TMPDIR"
+chmod 755 "$PRORL_JOB_DIR"
+chmod 1777 "$TMPDIR"
+[[ "$role" == make-job-dir ]] && exit 0
 ray="$PRORL_ROOT/.venv/bin/ray"
 
 # Free ports for the agents every Ray node runs (their fixed defaults would collide between Ray nodes on one host,
@@ -35,7 +41,7 @@ node_args() {
 }
 
 # Stopping (scancel, or one Ray node ended): every Ray process of this script at once, then the sandboxes its rollout
-# workers held are swept from the node (stop_node.py), within Slurm's KillWait.
+# workers held are swept from the node and the job's folder removed (stop_node.py), within Slurm's KillWait.
 pids=()
 stop_nodes() { "$PRORL_ROOT/.venv/bin/python" "$PRORL_ROOT/scripts/slurm/stop_node.py" "${pids[@]}"; wait || true; }
 trap 'stop_nodes; exit 143' TERM INT

@@ -5,18 +5,25 @@
 A scancel sends SIGTERM to every process of the job at the same moment and SIGKILL after Slurm's KillWait; Ray's
 raylet takes up to 30 s to drain, and a rollout worker that dies holding sandboxes leaves their disks mounted on the
 host and their temp dirs and cgroups behind (their processes die with it: `--die-with-parent`, Apptainer's
-watchdog). So: SIGKILL the given processes and everything under them, wait until they are gone, then run the
-sandboxes' orphan sweeps, which touch only sandboxes whose owner process is dead (bwrap's `sweep_orphans`, and
-`reap_orphan_instances` when SANDBOX=apptainer). Run with the job's TMPDIR, where the workers made their sandboxes.
+watchdog). So: SIGKILL the given processes and everything under them, wait until they are gone, then
+
+1. the sandboxes' own orphan sweeps, which touch only sandboxes whose owner process is dead (bwrap's
+   `sweep_orphans`, and `reap_orphan_instances` when SANDBOX=apptainer), in the job's TMPDIR;
+2. the job's folder (PRORL_JOB_DIR, which holds that TMPDIR): every mount still below it is unmounted and it is
+   removed. No other job uses it, and none of this job's processes on this node is left, so nothing there is in use;
+   this catches a sandbox whose worker died in the middle of closing it (its owner record gone, its disk mounted).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import psutil
 
+from nemo_gym_prorl.sandbox import disk
 from nemo_gym_prorl.sandbox.bwrap import sweep_orphans
 
 
@@ -36,6 +43,13 @@ def kill_trees(pids: list[int], timeout_s: float = 10.0) -> None:
     psutil.wait_procs(processes, timeout=timeout_s)
 
 
+def remove_job_dir(job_dir: Path) -> list[str]:
+    """Unmount everything below the job's folder and remove it; returns the mount points that were left."""
+    left = disk.unmount_under(job_dir) if job_dir.exists() else []
+    shutil.rmtree(job_dir, ignore_errors=True)
+    return left
+
+
 def main(argv: list[str]) -> None:
     kill_trees([int(pid) for pid in argv])
     swept = sweep_orphans()
@@ -43,8 +57,11 @@ def main(argv: list[str]) -> None:
         from nemo_gym_prorl.sandbox.apptainer import reap_orphan_instances
 
         swept += reap_orphan_instances()
-    if swept:
-        print(f"stop_node.py: removed {len(swept)} sandboxes left by this node's workers", file=sys.stderr)
+    left = remove_job_dir(Path(os.environ["PRORL_JOB_DIR"]))
+    print(
+        f"stop_node.py: swept {len(swept)} sandboxes left by this node's workers; {len(left)} more mounts unmounted",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":
