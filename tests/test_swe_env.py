@@ -152,6 +152,22 @@ async def test_agent_fixing_through_the_tools_gets_reward_1(env: SweEnvironment,
     assert ".prorl" not in submission["patch"]  # the python tool's interpreter files are no part of the fix
 
 
+async def test_an_apptainer_episode_on_the_sif_stages_at_testbed_and_resolves(sif: Path, instances) -> None:
+    task = load_task(TASK)
+    task.verifier = task.verifier | {"image": "default-sif"}
+    env = SweEnvironment(task, "apptainer")
+    instance = sample(instances)[1]
+    episode = await env.init(instance)
+    try:
+        seen = await env.call_tool(episode, bash(f"pwd; {apply_command(instance.data['patch'])}"))
+        assert seen.text.split()[0] == "/testbed", seen.text
+        submission = await env.collect(episode)
+    finally:
+        await env.close(episode)
+    evaluation = await env.grade(instance, submission)
+    assert evaluation.reward == 1.0 and evaluation.details["patch_applied"], evaluation.details
+
+
 async def test_wrong_fix_gets_0_naming_the_failing_tests(env: SweEnvironment, instances) -> None:
     instance = sample(instances)[1]
     submission = await agent_runs(env, instance, "echo '# a comment' >> README.rst; echo 'x = 1' > new_module.py")
