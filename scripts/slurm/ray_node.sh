@@ -7,7 +7,7 @@
 # the rollout actors and their sandboxes) stays in the Slurm step's process tree: a scancel's SIGTERM/SIGKILL
 # reaches all of them. More than one Ray node per host is for trying multi-node behaviour on one machine.
 # Environment (set by prorl_ray.sbatch): PRORL_ROOT, PRORL_JOB_DIR, RAY_TEMP_DIR and TMPDIR (in it), SANDBOX,
-# RAY_HEAD_IP, RAY_PORT, RAY_NODES_PER_HOST, RAY_CPUS_PER_NODE, RAY_OBJECT_STORE_MB.
+# RAY_HEAD_IP, RAY_PORT, RAY_NODES_PER_HOST, RAY_CPUS_PER_NODE, RAY_HEAD_CPUS, RAY_OBJECT_STORE_MB.
 set -euo pipefail
 
 role="${1:?head, worker or make-job-dir}"
@@ -29,9 +29,9 @@ print("\n".join(str(s.getsockname()[1]) for s in held))
 ' $((4 * RAY_NODES_PER_HOST + 2)))
 next_port() { port=${ports[0]}; ports=("${ports[@]:1}"); }
 
-# One Ray node's options (into the array `args`): its CPUs, object store, session folder and agent ports.
+# One Ray node's options (into the array `args`): its CPUs ($1), object store, session folder and agent ports.
 node_args() {
-  args=(--block --disable-usage-stats --temp-dir="$RAY_TEMP_DIR" --num-cpus="$RAY_CPUS_PER_NODE"
+  args=(--block --disable-usage-stats --temp-dir="$RAY_TEMP_DIR" --num-cpus="$1"
     --object-store-memory=$((RAY_OBJECT_STORE_MB * 1024 * 1024)))
   local option
   for option in dashboard-agent-listen-port dashboard-agent-grpc-port runtime-env-agent-port metrics-export-port; do
@@ -48,7 +48,7 @@ trap 'stop_nodes; exit 143' TERM INT
 
 joined=$RAY_NODES_PER_HOST
 if [[ "$role" == head ]]; then
-  node_args
+  node_args "${RAY_HEAD_CPUS:-$RAY_CPUS_PER_NODE}"
   next_port && args+=(--dashboard-port="$port")
   next_port && args+=(--ray-client-server-port="$port")
   "$ray" start --head --node-ip-address="$RAY_HEAD_IP" --port="$RAY_PORT" --include-dashboard=false "${args[@]}" &
@@ -61,7 +61,7 @@ if [[ "$role" == head ]]; then
   done
 fi
 for ((i = 0; i < joined; i++)); do
-  node_args
+  node_args "$RAY_CPUS_PER_NODE"
   "$ray" start --address="$RAY_HEAD_IP:$RAY_PORT" "${args[@]}" &
   pids+=($!)
 done
