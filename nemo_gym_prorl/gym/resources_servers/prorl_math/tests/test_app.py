@@ -1,4 +1,5 @@
-"""What `gym env test --resources-server prorl_math` checks: the routes over a real bubblewrap sandbox."""
+"""What `gym env test --resources-server prorl_math` checks: Gym's verifier fixture, and the routes over a real
+bubblewrap sandbox."""
 
 import json
 from collections.abc import AsyncIterator
@@ -8,14 +9,16 @@ from unittest.mock import MagicMock
 
 import httpx
 import pytest
-
 from nemo_gym.base_resources_server import ResourcesSeedSessionRequest
 from nemo_gym.episode_types import EpisodeId, TaskId
 from nemo_gym.server_utils import ServerClient
 from nemo_gym.testing.session_conformance import check_resources_session_contract
 from resources_servers.prorl_math.app import ProrlMathConfig, ProrlMathServer
 
-EXAMPLE_ROWS = [json.loads(line) for line in (Path(__file__).parents[1] / "data" / "example.jsonl").open()]
+from nemo_gym_prorl.gym.task_server import check_verifier_fixture, verifier_fixture
+
+HERE = Path(__file__).parent
+EXAMPLE_ROWS = [json.loads(line) for line in (HERE.parent / "data" / "example.jsonl").open()]
 
 
 def make_server() -> ProrlMathServer:
@@ -45,6 +48,10 @@ def assistant_message(text: str) -> dict[str, Any]:
         "status": "completed",
         "content": [{"type": "output_text", "text": text, "annotations": []}],
     }
+
+
+async def test_verifier_fixture_full_zero_malformed_and_determinism() -> None:
+    await check_verifier_fixture(verifier_fixture(make_server, HERE / "verifier_cases.jsonl"))
 
 
 @pytest.fixture
