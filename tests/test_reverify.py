@@ -35,7 +35,7 @@ def math_rollouts(model_server: LocalModelServer, tmp_path_factory: pytest.TempP
     output = folder / "rollouts.jsonl"
     result = prorl(
         "rollout", "task=math", "model=remote", f"model.addresses=[{model_server.base_url}]",
-        f"model.n_ctx={TEST_N_CTX}", "n_samples=2", "limit=1", "sampling.max_tokens=48", f"output={output}",
+        f"model.n_ctx={TEST_N_CTX}", "n_samples=2", "limit=1", "sampling.max_tokens=32", f"output={output}",
         cwd=folder, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
