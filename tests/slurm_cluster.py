@@ -1,5 +1,6 @@
-"""A real one-node Slurm cluster for a test: Debian's munged, slurmctld and slurmd started from a generated
-slurm.conf in a temp dir, on free ports, and stopped (with every job cancelled) at the end.
+"""A real Slurm cluster on this host for a test: Debian's munged, slurmctld and one slurmd per node (``node1``,
+``node2``, ...: all this machine, each on a port of its own) started from a generated slurm.conf in a temp dir, on
+free ports, and stopped (with every job cancelled) at the end.
 
 Nothing of the host's Slurm or munge set-up is used or changed: the key, the munge socket, the state and spool
 dirs, pid and log files all live under the cluster's folder, and the client commands find it through
@@ -20,8 +21,6 @@ from pathlib import Path
 
 import psutil
 
-DAEMONS = ("munged", "slurmctld", "slurmd")
-
 
 class SlurmError(RuntimeError):
     """The cluster did not come up, or a Slurm command failed; the message carries the daemons' last log lines."""
@@ -41,11 +40,13 @@ def _tail(paths: list[Path], lines: int = 15) -> str:
 
 
 class SlurmCluster:
-    """munged + slurmctld + slurmd for one node (this host, ``cpus`` CPUs), all under ``root``."""
+    """munged + slurmctld + a slurmd per node (``nodes`` of them on this host, ``cpus`` CPUs each), all under
+    ``root``."""
 
-    def __init__(self, root: Path, cpus: int | None = None, kill_wait_s: int = 10) -> None:
+    def __init__(self, root: Path, nodes: int = 1, cpus: int | None = None, kill_wait_s: int = 10) -> None:
         self.root = root
-        self.node = socket.gethostname()
+        self.host = socket.gethostname()
+        self.nodes = [f"node{i}" for i in range(1, nodes + 1)]
         self.cpus = cpus or os.cpu_count() or 1
         self.kill_wait_s = kill_wait_s
         self.conf = root / "slurm.conf"
@@ -65,20 +66,19 @@ class SlurmCluster:
         self.conf.write_text(
             f"""\
 ClusterName=prorltest
-SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldHost={self.host}(127.0.0.1)
 SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=socket={self.munge_socket}
 CredType=cred/munge
 StateSaveLocation={self.root / "state"}
-SlurmdSpoolDir={self.root / "spool"}
+SlurmdSpoolDir={self.root / "spool"}/%n
 SlurmctldPidFile={self.root / "slurmctld.pid"}
-SlurmdPidFile={self.root / "slurmd.pid"}
+SlurmdPidFile={self.root}/slurmd-%n.pid
 SlurmctldLogFile={self.root / "log" / "slurmctld.log"}
-SlurmdLogFile={self.root / "log" / "slurmd.log"}
+SlurmdLogFile={self.root}/log/slurmd-%n.log
 PlugStackConfig={self.root / "plugstack.conf"}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -92,10 +92,17 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 KillWait={self.kill_wait_s}
 MinJobAge=300
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={memory_mb} State=UNKNOWN
-PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
+            + "".join(
+                f"NodeName={node} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={free_port()} CPUs={self.cpus} "
+                f"RealMemory={memory_mb} State=UNKNOWN\n"
+                for node in self.nodes
+            )
+            + f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP "
+            "OverSubscribe=FORCE:4\n"
         )
+        for node in self.nodes:
+            (self.root / "spool" / node).mkdir(mode=0o700)
         (self.root / "plugstack.conf").write_text("")
 
     def _start(self, name: str, argv: list[str]) -> None:
@@ -126,17 +133,18 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP Over
         self._wait("munged's socket", self.munge_socket.exists)
         self._start("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._wait("slurmctld", lambda: self._run_ok("scontrol", "ping"))
-        self._start("slurmd", ["slurmd", "-D", "-N", self.node, "-f", str(self.conf)])
-        self._wait("the node to be idle", lambda: self.node_state().startswith("IDLE"))
+        for node in self.nodes:
+            self._start(f"slurmd-{node}", ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
+        self._wait("the nodes to be idle", lambda: self.node_states() == ["IDLE"] * len(self.nodes))
 
     def stop(self) -> None:
-        """Cancel every job, wait until none is left on the node, then stop the daemons (slurmd last but one)."""
+        """Cancel every job, wait until none is left, then stop the daemons (the slurmds first, munged last)."""
         if "slurmctld" in self._daemons and self._daemons["slurmctld"].poll() is None:
             self._run_ok("scancel", "--full", "--partition=debug")
             deadline = time.monotonic() + 3 * self.kill_wait_s + 30
             while self.jobs() and time.monotonic() < deadline:
                 time.sleep(0.5)
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [*(f"slurmd-{node}" for node in self.nodes), "slurmctld", "munged"]:
             process = self._daemons.pop(name, None)
             if process is None:
                 continue
@@ -161,11 +169,11 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP Over
         except subprocess.TimeoutExpired:
             return False
 
-    def node_state(self) -> str:
+    def node_states(self) -> list[str]:
         try:
-            return self.run("sinfo", "--noheader", "--Node", "--format=%T").strip().upper()
+            return self.run("sinfo", "--noheader", "--Node", "--format=%T").upper().split()
         except SlurmError:
-            return ""
+            return []
 
     def sbatch(self, script: Path, *options: str, env: dict[str, str] | None = None) -> str:
         """Submit ``script``; return the job id."""
@@ -224,6 +232,14 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP Over
                 continue
         return found
 
+    @staticmethod
+    def node_of(process: psutil.Process) -> str | None:
+        """The Slurm node a job's process was started on (``SLURMD_NODENAME`` in its environment)."""
+        try:
+            return process.environ().get("SLURMD_NODENAME")
+        except psutil.Error:
+            return None
+
     def jobs(self) -> list[str]:
         """Ids of jobs not yet finished (pending, running, completing)."""
         try:
@@ -233,15 +249,15 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP Over
 
     def logs(self) -> str:
         log = self.root / "log"
-        return "\n".join(f"--- {name}:\n{_tail([log / f'{name}.log', log / f'{name}.out'])}" for name in DAEMONS)
+        return "\n".join(f"--- {name}:\n{_tail([log / f'{name}.log', log / f'{name}.out'])}" for name in self._daemons)
 
 
 @contextmanager
-def slurm_cluster(root: Path, cpus: int | None = None) -> Iterator[SlurmCluster]:
+def slurm_cluster(root: Path, nodes: int = 1, cpus: int | None = None) -> Iterator[SlurmCluster]:
     missing = [name for name in ("munged", "slurmctld", "slurmd", "sbatch") if shutil.which(name) is None]
     if missing:
         raise SlurmError(f"Slurm is not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge")
-    cluster = SlurmCluster(root, cpus)
+    cluster = SlurmCluster(root, nodes, cpus)
     try:
         cluster.start()
         yield cluster

@@ -1,7 +1,8 @@
-"""The Slurm launch for real: scripts/slurm/prorl_ray.sbatch submitted to a one-node Slurm cluster this module starts
-from Debian's slurm-wlm and munge (tests/slurm_cluster.py). The job starts a Ray head and a second Ray node on the
-host, then `prorl serve ray.address=...`; the service answers with both Ray nodes' sandbox slots and runs a job in
-bubblewrap sandboxes on the workers; scancel, with rollouts live, leaves no process of the job behind.
+"""The Slurm launch for real: scripts/slurm/prorl_ray.sbatch submitted to a Slurm cluster this module starts on this
+machine from Debian's slurm-wlm and munge (tests/slurm_cluster.py: two slurmd nodes on the one host). The job starts
+a Ray head and a second Ray node (on the allocation's second Slurm node, or beside the head on one Slurm node), then
+`prorl serve ray.address=...`; the service answers with both Ray nodes' sandbox slots and runs a job in sandboxes on
+the workers (bubblewrap, Apptainer); scancel, with rollouts live, leaves no process, mount or job folder behind.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ SANDBOX_PROCESS = {"bwrap": "bwrap", "apptainer": "Apptainer runtime parent"}  #
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+    with slurm_cluster(tmp_path_factory.mktemp("slurm"), nodes=2) as cluster:
         yield cluster
 
 
@@ -78,18 +79,30 @@ async def wait_for_nodes(client: RolloutClient, count: int, timeout_s: float = 1
 
 
 def names(processes: list[psutil.Process]) -> list[str]:
+    """What each process runs (its first words), "" for one that is gone."""
     found = []
     for process in processes:
         try:
             found.append(" ".join(process.cmdline()[:3]) or process.name())
         except psutil.Error:
-            pass
+            found.append("")
     return found
 
 
-@pytest.mark.parametrize("sandbox", ["bwrap", "apptainer"])
+@pytest.mark.parametrize(
+    ("sandbox", "slurm_nodes", "ray_nodes_per_host"),
+    [("bwrap", 2, 1), ("apptainer", 1, 2)],  # srun across the allocation; two Ray nodes on one Slurm node
+    ids=["bwrap-two-slurm-nodes", "apptainer-one-slurm-node"],
+)
 async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
-    sandbox: str, request: pytest.FixtureRequest, cluster: SlurmCluster, model: str, job_dir: Path, tmp_path: Path
+    sandbox: str,
+    slurm_nodes: int,
+    ray_nodes_per_host: int,
+    request: pytest.FixtureRequest,
+    cluster: SlurmCluster,
+    model: str,
+    job_dir: Path,
+    tmp_path: Path,
 ) -> None:
     output = tmp_path / "job.out"
     backend = {}
@@ -103,7 +116,7 @@ async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
         "PRORL_SERVICE_TOKEN": TOKEN,
         "PORT": str(free_port()),
         "RAY_PORT": str(free_port()),
-        "RAY_NODES_PER_HOST": "2",  # a head and one more Ray node, both on this one Slurm node
+        "RAY_NODES_PER_HOST": str(ray_nodes_per_host),
         "RAY_CPUS_PER_NODE": "1",
         "RAY_OBJECT_STORE_MB": "100",
         "PRORL_JOB_DIR": str(job_dir),
@@ -113,7 +126,7 @@ async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
         "MODEL_ADDRESSES": f"[{model}]",
         "SERVE_OVERRIDES": "model.served_model_name=standin model.tool_call_format=codeact",
     }
-    job_id = cluster.sbatch(SBATCH, "--nodes=1", f"--output={output}", f"--chdir={tmp_path}", env=env)
+    job_id = cluster.sbatch(SBATCH, f"--nodes={slurm_nodes}", f"--output={output}", f"--chdir={tmp_path}", env=env)
     try:
         url = wait_for_url(cluster, job_id, output)
         assert (tmp_path / "run" / "service.url").read_text().strip() == url
@@ -123,7 +136,8 @@ async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
             assert [node["slots"] for node in nodes.values()] == [SLOTS_PER_WORKER, SLOTS_PER_WORKER]
             done = await client.wait(await client.submit(JobRequest(instance=ROW, n=2)))
             assert done.state == "done"
-            assert [(t.reward, t.critical_error) for t in done.results] == [(1.0, None), (1.0, None)]
+            outcomes = [(t.reward, t.critical_error) for t in done.results]
+            assert outcomes == [(1.0, None), (1.0, None)], [t.error for t in done.results]
 
             await client.submit(JobRequest(instance=ROW, n=2))
             async with asyncio.timeout(60):
@@ -131,7 +145,10 @@ async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
                     await asyncio.sleep(0.2)
             live = cluster.job_processes()
             started = names(live)
-            assert sum("raylet" in name for name in started) == 2, started
+            raylets = [p for p, name in zip(live, started) if "raylet/raylet" in name]
+            assert len(raylets) == 2, started  # one Ray node per Slurm node, or both on the one
+            on = ["node1", "node2"] if slurm_nodes == 2 else ["node1", "node1"]
+            assert sorted(cluster.node_of(p) for p in raylets) == on
             assert any("prorl serve" in name for name in started), started
             assert any(name.startswith(SANDBOX_PROCESS[sandbox]) for name in started), started  # the live rollouts
             assert mounts_under(job_dir)  # their disks
