@@ -20,12 +20,14 @@ import pytest
 from slurm_cluster import SlurmCluster, free_port, slurm_cluster
 from standin_helpers import running_standin
 
+from nemo_gym_prorl.sandbox import disk
 from nemo_gym_prorl.service.client import RolloutClient
 from nemo_gym_prorl.service.orchestrator import JobRequest
 from tests.test_service import ROW, SCRIPT
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "scripts" / "slurm" / "prorl_ray.sbatch"
+pytestmark = pytest.mark.slow
 TOKEN = "slurm-test-token"
 SLOTS_PER_WORKER = 3
 SANDBOX_PROCESS = {"bwrap": "bwrap", "apptainer": "Apptainer runtime parent"}  # how a live sandbox shows in ps
@@ -49,7 +51,9 @@ def job_dir() -> Iterator[Path]:
     short, since Ray's socket paths must fit in 107 bytes (pytest's tmp_path is too deep)."""
     path = Path(tempfile.mkdtemp(prefix="prorl-slurm-"))
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():  # the job removes it; after a failed check, what it left (sandbox disks) goes here
+        disk.unmount_under(path)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def mounts_under(path: Path) -> list[str]:
