@@ -68,6 +68,8 @@ def test_template_regex_comes_first_and_any_number_of_options_works() -> None:
         ("\\boxed{\\frac{1}{2}}", "0.5", True),  # a unitless reply the unit parser cannot read: math-verify
         ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", True),  # symbolic gold: math-verify
         ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{\\sqrt{3}}{2}", False),
+        ("1.two to-two ideas that won'nt be found", "3", False),  # free text pint's tokenizer chokes on: graded 0
+        ("12 m/s'", "12 m/s", False),
     ],
 )
 def test_numeric_answers_with_units(reply: str, expected: str, correct: bool) -> None:

@@ -63,7 +63,7 @@ def parse_quantity(text: str) -> pint.Quantity:
     registry = _registry()
     try:
         return registry.Quantity(value, registry.parse_units(unit) if unit else registry.dimensionless)
-    except (pint.PintError, AttributeError, TypeError, ValueError, SyntaxError) as e:
+    except Exception as e:  # pint parses free text with Python's tokenizer: PintError, SyntaxError, TokenError, ...
         raise UnitParseError(f"unknown unit {unit!r} in {text!r}: {e}") from None
 
 
