@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ from nemo_gym_prorl.service.agent_loop import AgentOutcome
 from nemo_gym_prorl.service.llm_pool import LLMPool, LLMPoolConfig
 from nemo_gym_prorl.service.orchestrator import ModelSettings, make_agent_loop
 from nemo_gym_prorl.service.stage_clock import StageClock, current_stage_clock
+
+_CLOSED_KEPT = 10_000
 
 
 class Backend(BaseModel):
@@ -97,6 +100,7 @@ class RolloutWorker:
         self.tokenizer = Tokenizer.from_gguf(spec.gguf) if spec.gguf else None
         self.pool: LLMPool | None = None
         self._rollouts: dict[str, _Held] = {}
+        self._closed: OrderedDict[str, None] = OrderedDict()  # closed before their init arrived (calls may overtake)
         self.swept = sweep_orphans()  # sandboxes of a worker that died on this node before
 
     async def start(self) -> dict[str, Any]:
@@ -116,6 +120,8 @@ class RolloutWorker:
     # -- rollout stages ---------------------------------------------------------------------------------------------
 
     async def init(self, key: str, task: str, instance: TaskInstance) -> None:
+        if key in self._closed:
+            raise asyncio.CancelledError("the rollout was closed")
         held = self._rollouts.setdefault(key, _Held())
         held.task = task
         async with self._busy(held):
@@ -167,7 +173,9 @@ class RolloutWorker:
         """Interrupt what the rollout is doing and close its sandbox; the run's outcome so far, if it had one."""
         held = self._rollouts.pop(key, None)
         if held is None:
-            self._rollouts[key] = _Held(closed=True)  # a call still on its way finds it closed
+            self._closed[key] = None  # an init still on its way finds it closed
+            while len(self._closed) > _CLOSED_KEPT:
+                self._closed.popitem(last=False)
             return None
         held.closed = True
         if held.busy is not None:
