@@ -131,3 +131,23 @@ async def test_a_row_without_an_answer_is_named() -> None:
     env = make_environment(load_task("stem/algebra"), "bwrap")
     with pytest.raises(ValueError, match="neither options"):
         await env.grade(TaskInstance(instance_id="x", data={"question": "?"}), {"answer": "1"})
+
+
+@pytest.mark.parametrize(
+    ("reply", "reward"),
+    [
+        ("\\boxed{B}", 1.0),
+        ("B: -157", 1.0),  # opening with a choice as the options are listed
+        ("(B) because -96 - 61 is -157", 1.0),
+        ("A: -158", 0.0),
+        ("A: -158\nB: -157", 0.0),  # a list of options is read by its first line
+        ("It is -157.", 0.0),  # no letter: no choice
+        ("B: wrong\n\\boxed{C}", 0.0),  # a boxed letter comes first
+    ],
+)
+async def test_arithmetic_choice_reads_a_boxed_letter_or_a_reply_opening_with_one(reply: str, reward: float) -> None:
+    config = load_task("stem/arithmetic_choice")
+    instance = load_instances(config.dataset, limit=2)[1]
+    assert instance.data["expected_answer"] == "B" and {"B": "-157"} in instance.data["options"]
+    evaluation = await make_environment(config, "bwrap").grade(instance, {"answer": reply})
+    assert evaluation.reward == reward, evaluation.details
