@@ -43,25 +43,29 @@ def kill_trees(pids: list[int], timeout_s: float = 10.0) -> None:
     psutil.wait_procs(processes, timeout=timeout_s)
 
 
-def remove_job_dir(job_dir: Path) -> list[str]:
-    """Unmount everything below the job's folder and remove it; returns the mount points that were left."""
-    left = disk.unmount_under(job_dir) if job_dir.exists() else []
+def remove_job_dir(job_dir: Path) -> tuple[list[str], list[str]]:
+    """Unmount everything below the job's folder and remove it; returns what the sweeps did not take: the sandbox
+    dirs (without an owner record: their cgroups, named alike, stay) and the mount points."""
+    if not job_dir.exists():
+        return [], []
+    unswept = sorted(entry.name for entry in Path(os.environ.get("TMPDIR", job_dir / "tmp")).glob("prorl-*"))
+    mounts = disk.unmount_under(job_dir)
     shutil.rmtree(job_dir, ignore_errors=True)
-    return left
+    return unswept, mounts
 
 
 def main(argv: list[str]) -> None:
     kill_trees([int(pid) for pid in argv])
-    swept = sweep_orphans()
+    job_dir = Path(os.environ["PRORL_JOB_DIR"])
+    swept = sweep_orphans() if job_dir.exists() else []  # gone: another Slurm node on this host stopped first
     if os.environ.get("SANDBOX") == "apptainer":
         from nemo_gym_prorl.sandbox.apptainer import reap_orphan_instances
 
         swept += reap_orphan_instances()
-    left = remove_job_dir(Path(os.environ["PRORL_JOB_DIR"]))
-    print(
-        f"stop_node.py: swept {len(swept)} sandboxes left by this node's workers; {len(left)} more mounts unmounted",
-        file=sys.stderr,
-    )
+    unswept, mounts = remove_job_dir(job_dir)
+    print(f"stop_node.py: swept {len(swept)} sandboxes left by this node's workers", file=sys.stderr)
+    if unswept or mounts:
+        print(f"stop_node.py: the sweeps left {unswept} and {len(mounts)} mounts; removed", file=sys.stderr)
 
 
 if __name__ == "__main__":
