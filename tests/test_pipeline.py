@@ -207,3 +207,29 @@ async def test_a_sandbox_that_will_not_close_fails_its_rollout_not_the_worker(ta
     assert results[0].finish == "answer"  # what the rollout did is kept; the sample is marked, not dropped
     assert results[1].error.startswith("cancelled during run; closing the sandbox failed")
     assert sandboxes_left() == []
+
+
+async def test_a_bug_handing_a_rollout_on_fails_that_rollout_not_the_worker(
+    task, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug after a stage (here: keeping the first rollout's outcome raises) used to kill the stage's worker and leave
+    its rollout's result unset: every later rollout waited forever."""
+    keep = RolloutPipeline._keep_outcome
+    first: list[Rollout] = []
+
+    def buggy_for_the_first(r: Rollout) -> None:
+        if not first:
+            first.append(r)
+            raise AttributeError("'SyntheticEnvironment' object has no attribute 'task'")
+        keep(r)
+
+    monkeypatch.setattr(RolloutPipeline, "_keep_outcome", staticmethod(buggy_for_the_first))
+    env = make_environment(task, "bwrap")
+    one_worker = config(init=StageConfig(workers=1), run=StageConfig(workers=1), eval=StageConfig(workers=1))
+    async with RolloutPipeline(one_worker) as pipeline:
+        rollouts = [rollout(env, ScriptedModel(tokenizer, ["\\boxed{42}"])) for _ in range(2)]
+        pipeline.submit(rollouts)
+        broken, healthy = await asyncio.wait_for(asyncio.gather(*(r.done for r in rollouts)), 60)
+    assert broken.critical_error == "run" and "has no attribute 'task'" in broken.error
+    assert healthy.critical_error is None and healthy.reward == 1.0
+    assert sandboxes_left() == []

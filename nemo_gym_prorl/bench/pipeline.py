@@ -16,9 +16,11 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from nemo_gym_prorl.envs.base import Episode, Evaluation, Submission
 from nemo_gym_prorl.envs.dataset import TaskInstance
+from nemo_gym_prorl.envs.task import DatasetConfig, TaskConfig
 from nemo_gym_prorl.service.agent_loop import AgentOutcome
 from nemo_gym_prorl.service.pipeline import PipelineConfig, Rollout, RolloutPipeline, StageConfig
 
@@ -48,6 +50,8 @@ class _NoSandbox:
 
 class SyntheticEnvironment:
     """Sleeps stand in for sandbox start and grading; the pipeline cannot tell the difference."""
+
+    task = TaskConfig(name="synthetic", type="math", dataset=DatasetConfig(path=Path("synthetic.jsonl")))
 
     def __init__(self, workloads: dict[str, Workload]) -> None:
         self.workloads = workloads

@@ -215,7 +215,11 @@ class RolloutPipeline:
                 raise
             finally:
                 self._active[stage] -= 1
-            await self._after_stage(stage, rollout, rollout.current)
+            try:
+                await self._after_stage(stage, rollout, rollout.current)
+            except Exception as e:  # a bug fails its rollout, never the worker (the next rollouts would wait forever)
+                _log.exception("rollout %s: handing it on after %s failed", rollout.trajectory.trajectory_id, stage)
+                await self._finish(rollout, stage, f"internal error after {stage}: {e!r}")
 
     async def _run_stage(self, stage: Stage, rollout: Rollout) -> None:
         budget = self._budget(stage, rollout)
@@ -293,15 +297,15 @@ class RolloutPipeline:
             return
         rollout.finished = True
         t = rollout.trajectory
-        if rollout.outcome is not None:  # also what a timed-out or cancelled run got to
-            outcome = rollout.outcome
-            t.messages, t.tools, t.finish = outcome.messages, outcome.tools, outcome.finish
-            t.num_tool_calls, t.num_format_errors = outcome.num_tool_calls, outcome.num_format_errors
-        if rollout.submission is not None and rollout.env.task.type != "gym":  # a Gym server grades a live session
-            t.submission = rollout.submission
         t.critical_error = critical_error  # type: ignore[assignment]
         t.error = error
         try:
+            try:
+                self._keep_outcome(rollout)
+            except Exception as e:  # a bug, said in the trajectory: never a result that looks whole
+                _log.exception("rollout %s: keeping its outcome failed", t.trajectory_id)
+                t.critical_error = t.critical_error or "run"  # type: ignore[assignment]
+                t.error = f"{t.error}; internal error keeping the outcome: {e!r}" if t.error else repr(e)
             if failure := await self._close_sandbox(rollout):  # said, never hidden behind the first error
                 t.critical_error = t.critical_error or "eval"  # type: ignore[assignment]
                 t.error = f"{t.error}; {failure}" if t.error else failure
@@ -312,6 +316,17 @@ class RolloutPipeline:
             rollout.trace.end()
             if not rollout.done.done():
                 rollout.done.set_result(t)
+
+    @staticmethod
+    def _keep_outcome(rollout: Rollout) -> None:
+        """What the run got to (also a timed-out or cancelled one) and what grading was given, on the trajectory."""
+        t = rollout.trajectory
+        if rollout.outcome is not None:
+            outcome = rollout.outcome
+            t.messages, t.tools, t.finish = outcome.messages, outcome.tools, outcome.finish
+            t.num_tool_calls, t.num_format_errors = outcome.num_tool_calls, outcome.num_format_errors
+        if rollout.submission is not None and rollout.env.task.type != "gym":  # a Gym server grades a session
+            t.submission = rollout.submission
 
     async def _close_sandbox(self, rollout: Rollout) -> str | None:
         """Close the rollout's sandbox (shielded: a cancelled caller never leaks it) and give its slot back; what
