@@ -130,7 +130,8 @@ async def _measure(me: psutil.Process, rollouts: int, per_job: int, init_workers
                     for i in range(0, rollouts, per_job)
                 ]
                 stats_url = model.base_url.removesuffix("/v1") + "/control/stats"
-                while (await control.get(stats_url)).json()["waiting"] < rollouts:
+                ended = svc.orchestrator.finished_rollouts  # before reaching the model (a sandbox that did not start)
+                while (await control.get(stats_url)).json()["waiting"] + sum(ended.values()) < rollouts:
                     await asyncio.sleep(0.5)
                 ramp_s = time.perf_counter() - started
                 rss_live = me.memory_info().rss / 2**20

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from nemo_gym_prorl.service.llm_pool import LLMPool, LLMPoolConfig
 from nemo_gym_prorl.service.orchestrator import ModelSettings, make_agent_loop
 from nemo_gym_prorl.service.stage_clock import StageClock, current_stage_clock
 
+_log = logging.getLogger(__name__)
 _CLOSED_KEPT = 10_000
 
 
@@ -101,7 +103,11 @@ class RolloutWorker:
         self.pool: LLMPool | None = None
         self._rollouts: dict[str, _Held] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()  # closed before their init arrived (calls may overtake)
-        self.swept = sweep_orphans()  # sandboxes of a worker that died on this node before
+        self.swept: list[str] = []
+        try:  # sandboxes of a worker that died on this node before
+            self.swept = sweep_orphans()
+        except OSError as e:  # another process sweeping the same leftovers (a cgroup going away under us)
+            _log.warning("sweeping orphaned sandboxes failed: %s", e)
 
     async def start(self) -> dict[str, Any]:
         """Open the LLM pool (in the actor's event loop); returns where this worker runs."""
