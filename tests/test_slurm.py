@@ -41,8 +41,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 
 @pytest.fixture(scope="module")
 def model() -> Iterator[str]:
-    """The stand-in model answers each turn after 2 s, so rollouts are still live when the job is cancelled."""
-    yield from running_standin(SCRIPT, latency_s=2.0)
+    yield from running_standin(SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def stuck_model() -> Iterator[str]:
+    """A stand-in that answers after an hour: rollouts sent to it stay live, in their sandboxes, until cancelled."""
+    yield from running_standin(SCRIPT, latency_s=3600.0)
 
 
 @pytest.fixture
@@ -105,6 +110,7 @@ async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
     request: pytest.FixtureRequest,
     cluster: SlurmCluster,
     model: str,
+    stuck_model: str,
     job_dir: Path,
     tmp_path: Path,
 ) -> None:
@@ -143,6 +149,8 @@ async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
             outcomes = [(t.reward, t.critical_error) for t in done.results]
             assert outcomes == [(1.0, None), (1.0, None)], [t.error for t in done.results]
 
+            await client.clear_llm_servers()  # the next rollouts wait on the stuck model (every worker's pool)
+            await client.add_llm_server(stuck_model)
             await client.submit(JobRequest(instance=ROW, n=2))
             async with asyncio.timeout(60):
                 while (await client.status())["stages"]["run"]["active"] < 2:

@@ -9,9 +9,10 @@ watchdog). So: SIGKILL the given processes and everything under them, wait until
 
 1. the sandboxes' own orphan sweeps, which touch only sandboxes whose owner process is dead (bwrap's
    `sweep_orphans`, and `reap_orphan_instances` when SANDBOX=apptainer), in the job's TMPDIR;
-2. the job's folder (PRORL_JOB_DIR, which holds that TMPDIR): every mount still below it is unmounted and it is
-   removed. No other job uses it, and none of this job's processes on this node is left, so nothing there is in use;
-   this catches a sandbox whose worker died in the middle of closing it (its owner record gone, its disk mounted).
+2. the job's folder (PRORL_JOB_DIR, which holds that TMPDIR): every mount still below it is unmounted, the cgroups
+   of the sandbox dirs the sweeps left there are removed, and the folder goes. No other job uses it, and none of this
+   job's processes on this node is left, so nothing there is in use; this catches a sandbox whose worker died in the
+   middle of closing it (its owner record gone, its disk mounted, its cgroups still there).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import psutil
 
 from nemo_gym_prorl.sandbox import disk
 from nemo_gym_prorl.sandbox.bwrap import sweep_orphans
+from nemo_gym_prorl.sandbox.limits import SandboxCgroup, own_cgroup_dirs
 
 
 def kill_trees(pids: list[int], timeout_s: float = 10.0) -> None:
@@ -49,6 +51,10 @@ def remove_job_dir(job_dir: Path) -> tuple[list[str], list[str]]:
     if not job_dir.exists():
         return [], []
     unswept = sorted(entry.name for entry in Path(os.environ.get("TMPDIR", job_dir / "tmp")).glob("prorl-*"))
+    for name in unswept:  # a sandbox's cgroups are named as its dir, under its maker's cgroup: this step's
+        cgroup = SandboxCgroup({c: os.path.join(parent, name) for c, parent in own_cgroup_dirs().items()})
+        cgroup.kill()
+        cgroup.remove_now()
     mounts = disk.unmount_under(job_dir)
     shutil.rmtree(job_dir, ignore_errors=True)
     return unswept, mounts
@@ -65,7 +71,8 @@ def main(argv: list[str]) -> None:
     unswept, mounts = remove_job_dir(job_dir)
     print(f"stop_node.py: swept {len(swept)} sandboxes left by this node's workers", file=sys.stderr)
     if unswept or mounts:
-        print(f"stop_node.py: the sweeps left {unswept} and {len(mounts)} mounts; removed", file=sys.stderr)
+        print(f"stop_node.py: the sweeps left {unswept} (and their cgroups) and {len(mounts)} mounts: removed",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":
