@@ -59,7 +59,8 @@ async def test_prorl_rollout_sends_jobs_to_a_running_service(instant_model: str,
     output = tmp_path / "rollouts.jsonl"
     async with prorl_serve(instant_model, tmp_path / "jobs.db") as (url, _):
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "nemo_gym_prorl.cli", "rollout", f"service.url={url}", "limit=2", "n_samples=2",
+            sys.executable, "-m", "nemo_gym_prorl.cli", "rollout", "task=math", f"service.url={url}", "limit=2",
+            "n_samples=2",
             f"output={output}", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
         stdout, stderr = await asyncio.wait_for(process.communicate(), 300)
