@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from nemo_gym_prorl.sandbox import disk
-from nemo_gym_prorl.sandbox.bwrap import sweep_orphans
+from nemo_gym_prorl.sandbox.bwrap import TEMP_PREFIX, sweep_orphans
 from nemo_gym_prorl.sandbox.limits import SandboxCgroup, own_cgroup_dirs
 
 
@@ -46,12 +46,13 @@ def kill_trees(pids: list[int], timeout_s: float = 10.0) -> None:
 
 
 def remove_job_dir(job_dir: Path) -> tuple[list[str], list[str]]:
-    """Unmount everything below the job's folder and remove it; returns what the sweeps did not take: the sandbox
-    dirs (without an owner record: their cgroups, named alike, stay) and the mount points."""
+    """Remove the cgroups of the sandbox dirs the sweeps did not take (no owner record), unmount everything below the
+    job's folder and remove it; returns those dirs' names and the mount points."""
     if not job_dir.exists():
         return [], []
     unswept = sorted(entry.name for entry in Path(os.environ.get("TMPDIR", job_dir / "tmp")).glob("prorl-*"))
-    for name in unswept:  # a sandbox's cgroups are named as its dir, under its maker's cgroup: this step's
+    for name in [name for name in unswept if name.startswith(TEMP_PREFIX)]:
+        # a bwrap sandbox's cgroups are named as its dir, under its maker's cgroup: this step's
         cgroup = SandboxCgroup({c: os.path.join(parent, name) for c, parent in own_cgroup_dirs().items()})
         cgroup.kill()
         cgroup.remove_now()
