@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 import uvicorn
@@ -50,13 +52,40 @@ async def run_service(config: ServiceConfig) -> AsyncIterator[RunningService]:
                 app, log_level="warning", lifespan="off", timeout_graceful_shutdown=config.service.shutdown_grace_s
             )
         )
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        try:
-            with tuned_gc(config.service.gc):
-                yield RunningService(f"http://{config.service.host}:{port}", port, runtime.orchestrator, server, serving)
-        finally:
-            server.should_exit = True
-            await serving
+        with _stop_signals_end_serving_only():
+            serving = asyncio.create_task(server.serve(sockets=[sock]))
+            try:
+                with tuned_gc(config.service.gc):
+                    yield RunningService(
+                        f"http://{config.service.host}:{port}", port, runtime.orchestrator, server, serving
+                    )
+            finally:
+                server.should_exit = True
+                await serving
+
+
+@contextmanager
+def _stop_signals_end_serving_only() -> Iterator[None]:
+    """SIGINT and SIGTERM stop uvicorn, and then the runtime closes every sandbox, the model and the pool.
+
+    uvicorn stops serving on either signal and then raises it again for the handler that was there before it: the
+    default SIGTERM would kill the process right there, before the runtime closes anything (and the handler
+    `ray.init` installs exits in the middle of it). While the service runs, that earlier handler is one that does
+    nothing. Signals can only be handled on the main thread; elsewhere (a service inside a test) nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.signal(sig, _stop_requested) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _stop_requested(signum: int, frame: object) -> None:
+    """uvicorn has stopped serving by now; the service's own shutdown follows."""
 
 
 async def serve_async(config: ServiceConfig, on_ready: Callable[[int], None] | None = None) -> None:
