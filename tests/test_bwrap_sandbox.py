@@ -21,7 +21,7 @@ import psutil
 import pytest
 from sandbox_helpers import alive, process_tree, reachable_temp_dir, wait_until
 
-from nemo_gym_prorl.sandbox import BwrapSandbox, SandboxError, SandboxLimits, SandboxSpec
+from nemo_gym_prorl.sandbox import BwrapSandbox, SandboxError, SandboxLimits, SandboxSpec, bwrap
 from nemo_gym_prorl.sandbox.base import BindMount
 from nemo_gym_prorl.sandbox.bwrap import _hidden_etc_paths, sweep_orphans
 from nemo_gym_prorl.sandbox.limits import own_cgroup_dirs
@@ -299,3 +299,23 @@ async def test_what_a_killed_owner_left_is_swept(shared_tmp: Path, monkeypatch: 
     async with BwrapSandbox(SPEC) as live:
         assert sweep_orphans(str(shared_tmp)) == []
         assert live.temp_dir is not None and live.temp_dir.exists()  # a live owner's sandbox is left alone
+
+
+def test_a_close_cut_short_keeps_the_owner_record_for_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker killed while its sandbox's dir was being removed left dirs with no owner record (removed first, by
+    chance of rmtree's order) but with mounts and cgroups still there, which no sweep would ever look at."""
+    root = tmp_path / "prorl-sbx-cut-short"
+    (root / "disk").mkdir(parents=True)
+    (root / "disk" / "kept").write_text("x")
+    bwrap._write_owner(root, [])
+
+    def killed_here(path: str) -> None:
+        raise OSError("the process died here")
+
+    monkeypatch.setattr(bwrap, "remove_tree", killed_here)
+    with pytest.raises(OSError):
+        bwrap._remove_owned_dir(root)
+    assert (root / ".owner").is_file()
+    monkeypatch.undo()
+    bwrap._remove_owned_dir(root)
+    assert not root.exists()

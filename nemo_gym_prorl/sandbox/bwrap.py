@@ -535,7 +535,7 @@ class BwrapSandbox(SandboxLifecycle):
                 if self._disk is not None:  # a disk handed over to forks stays intact: they read it
                     await asyncio.to_thread(functools.partial(self._disk.unmount, discard=not self._handed_over))
                 if self._root is not None and self._root.exists():
-                    await asyncio.to_thread(remove_tree, self._root)
+                    await asyncio.to_thread(_remove_owned_dir, self._root)
                 if self._snapshot is not None and self._started and self._snapshot.release():
                     await asyncio.to_thread(self._snapshot.remove)
 
@@ -636,7 +636,7 @@ class _Snapshot:
             disk.unmount_under(self.path)
             self.holds_mount = False
         if self.root.exists():
-            remove_tree(self.root)
+            _remove_owned_dir(self.root)
 
 
 _OWNER_FILE = ".owner"
@@ -648,6 +648,20 @@ def _write_owner(root: Path, cgroup_dirs: list[str]) -> None:
     lines = [f"{pid} {_start_time(pid)}", *cgroup_dirs]
     (root / (_OWNER_FILE + ".new")).write_text("\n".join(lines) + "\n")
     (root / (_OWNER_FILE + ".new")).rename(root / _OWNER_FILE)
+
+
+def _remove_owned_dir(root: Path) -> None:
+    """Remove a dir `_write_owner` marked, its owner record last: a process killed halfway through leaves a dir the
+    sweep still finds (with its cgroups and mounts), never an unmarked one nobody will remove."""
+    for entry in os.scandir(root):
+        if entry.name != _OWNER_FILE:
+            if entry.is_dir(follow_symlinks=False):
+                remove_tree(entry.path)
+            else:
+                os.unlink(entry.path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(root / _OWNER_FILE)
+    os.rmdir(root)
 
 
 def _start_time(pid: int | str) -> str:
