@@ -41,14 +41,14 @@ from nemo_gym_prorl.bench.throughput import (
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.envs.gym_resources import GymResourcesEnvironment
 from nemo_gym_prorl.envs.task import load_task
-from nemo_gym_prorl.gym.processes import gym_env_start, gym_environ
 from nemo_gym_prorl.gym import PLUGIN_ROOT
+from nemo_gym_prorl.gym.processes import gym_env_start, gym_environ
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
+from nemo_gym_prorl.service.gym_agent import GymRunRequest, gym_verify_response
 from nemo_gym_prorl.service.orchestrator import JobRequest
 from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
 from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceRuntime, ServiceSettings
-from nemo_gym_prorl.service.gym_agent import GymRunRequest, gym_verify_response
 from nemo_gym_prorl.service.serve import run_service
 from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
 

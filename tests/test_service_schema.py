@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from nemo_gym_prorl.service.llm_pool import LLMPoolConfig
-from tests.test_service import service, instant_model  # noqa: F401  (the stand-in model fixture)
+from tests.test_service import instant_model, service  # noqa: F401  (the stand-in model fixture)
 
 # /stop and /llm/pause hold back every later rollout until resumed (tested in test_service.py); fuzzing them
 # would only make the other calls wait.

@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, PrivateAttr
-
 from nemo_gym.base_resources_server import (
     BaseResourcesServerConfig,
     BaseVerifyResponse,
@@ -31,6 +29,8 @@ from nemo_gym.base_resources_server import (
     ResourcesCloseSessionResponse,
 )
 from nemo_gym.server_utils import is_nemo_gym_fastapi_entrypoint
+from pydantic import BaseModel, ConfigDict, PrivateAttr
+
 from nemo_gym_prorl.gym.row_session_server import RowSessionServer, RowVerifyRequest
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")

@@ -8,7 +8,6 @@ from unittest.mock import MagicMock
 
 import httpx
 import pytest
-
 from nemo_gym.server_utils import ServerClient
 from resources_servers.prorl_swe.app import ProrlSweConfig, ProrlSweServer
 
