@@ -4,7 +4,7 @@
 setup:
 	@scripts/bootstrap.sh
 
-# Real rollouts: the embedded local model, a bubblewrap sandbox, the math task; summary printed at the end.
+# Real rollouts: the embedded local model, a bubblewrap sandbox, the default task (conf/config.yaml); summary at the end.
 # Results and their resolved config land in outputs/rollout/<date>/<time>/ (rollouts.jsonl, rollouts.config.yaml);
 # pass Hydra overrides through ARGS, e.g. make rollout ARGS="n_samples=4 limit=2".
 rollout: setup
