@@ -18,12 +18,16 @@ from pathlib import Path
 import psutil
 import pytest
 import pytest_asyncio
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from ray.cluster_utils import Cluster
 from sandbox_helpers import alive, wait_until
 from standin_helpers import running_standin
 
 from nemo_gym_prorl.cluster.settings import RaySettings
 from nemo_gym_prorl.sandbox.bwrap import TEMP_PREFIX
+from nemo_gym_prorl.service import tracing
 from nemo_gym_prorl.service.client import RolloutClient
 from nemo_gym_prorl.service.orchestrator import Deadlines, JobRequest
 from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
@@ -98,10 +102,14 @@ def tokens(trajectory: Trajectory) -> list[dict]:
 
 async def test_ray_rollouts_spread_over_both_nodes_and_match_in_process_ones(svc: RunningService, model: str) -> None:
     requests = [JobRequest(instance=ROW, n=2, job_id=f"same-{i}", sampling_params={"seed": 11}) for i in range(2)]
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
     async with RolloutClient(svc.url) as client:
-        jobs = [await client.submit(r) for r in requests]
-        await wait_until(lambda: len([s for s in sandboxes_by_node(svc).values() if s]) == 2, timeout=120)
-        on_ray = [t for job in jobs for t in (await client.wait(job)).results]
+        with tracing.traced_by(provider):
+            jobs = [await client.submit(r) for r in requests]
+            await wait_until(lambda: len([s for s in sandboxes_by_node(svc).values() if s]) == 2, timeout=120)
+            on_ray = [t for job in jobs for t in (await client.wait(job)).results]
     with tempfile.TemporaryDirectory(prefix="prorl-ray-test-") as tmp:
         async with run_service(config(model, Path(tmp) / "local.db", RaySettings())) as local:
             async with RolloutClient(local.url) as client:
@@ -114,6 +122,49 @@ async def test_ray_rollouts_spread_over_both_nodes_and_match_in_process_ones(svc
         (t.reward, t.finish, t.num_tool_calls) for t in in_process
     ]
     assert any(m.get("generation_token_ids") for m in on_ray[0].messages)
+    traces: dict[int, list[ReadableSpan]] = {}
+    for span in exporter.get_finished_spans():
+        traces.setdefault(span.context.trace_id, []).append(span)
+    by_trajectory = {next(s for s in spans if s.name == "rollout").attributes["trajectory_id"]: spans
+                     for spans in traces.values()}  # fmt: skip
+    for trajectory in on_ray:
+        check_worker_spans(trajectory, by_trajectory[trajectory.trajectory_id], model)
+
+
+def check_worker_spans(trajectory: Trajectory, spans: list[ReadableSpan], model_url: str) -> None:
+    """The model requests and tool call a worker made are in the rollout's trace under its run stage, as an
+    in-process rollout's are (test_tracing.py): on the trajectory, timed from submission, and as OpenTelemetry
+    spans, with the backend and sandbox they ran on."""
+    recorded = trajectory.timing.spans
+    assert [s.name for s in recorded] == ["init", "model", "tool", "model", "run", "eval"]
+    run = next(s for s in recorded if s.name == "run")
+    assert run.attributes["sandbox_backend"] == "bwrap" and run.attributes["sandbox_id"]
+    models = [s for s in recorded if s.name == "model"]
+    (tool,) = [s for s in recorded if s.name == "tool"]
+    for call in (*models, tool):
+        assert run.start_s <= call.start_s and call.start_s + call.duration_s <= run.start_s + run.duration_s
+    assert models[0].start_s + models[0].duration_s <= tool.start_s <= tool.start_s + tool.duration_s <= models[1].start_s
+    turns = trajectory.assistant_turns()
+    assert [m.attributes["turn"] for m in models] == [0, 1]
+    assert [m.attributes["generated_tokens"] for m in models] == [len(t["generation_token_ids"]) for t in turns]
+    assert all(m.attributes["backend"] == model_url and m.attributes["attempts"] == 1 for m in models)
+    assert models[0].duration_s >= LATENCY_S  # the request's own time, the stand-in's latency included
+    assert tool.attributes["tool"] == "bash" and tool.attributes["finished"] is False
+    assert {k: tool.attributes[k] for k in ("sandbox_id", "sandbox_backend")} == {
+        k: run.attributes[k] for k in ("sandbox_id", "sandbox_backend")
+    }
+
+    (root,) = [s for s in spans if s.name == "rollout"]
+    (otel_run,) = [s for s in spans if s.name == "run"]
+    assert otel_run.parent.span_id == root.context.span_id
+    exported = sorted((s for s in spans if s is not root), key=lambda s: s.start_time)
+    assert sorted(s.name for s in exported) == sorted(s.name for s in recorded)
+    for mine, theirs in zip(sorted(recorded, key=lambda s: s.start_s), exported, strict=True):
+        assert mine.start_s == pytest.approx((theirs.start_time - root.start_time) / 1e9, abs=1e-6)
+        assert mine.duration_s == pytest.approx((theirs.end_time - theirs.start_time) / 1e9, abs=1e-6)
+        assert mine.attributes == dict(theirs.attributes)
+        if theirs.name in ("model", "tool"):
+            assert theirs.parent.span_id == otel_run.context.span_id
 
 
 async def test_cancel_and_deadlines_reach_rollouts_on_worker_nodes(svc: RunningService) -> None:

@@ -25,6 +25,7 @@ from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.service.agent_loop import AgentLoop, AgentOutcome
 from nemo_gym_prorl.service.pipeline import RolloutLost
 from nemo_gym_prorl.service.stage_clock import current_stage_clock
+from nemo_gym_prorl.service.tracing import graft
 from nemo_gym_prorl.tool_calls import ToolCall, ToolCallFormat
 from nemo_gym_prorl.tools import ToolOutput
 
@@ -154,6 +155,7 @@ class RemoteAgentLoop(AgentLoop):
             if clock is not None:  # the stage's time is the worker's; only what it held counts as queued
                 clock.held_s -= loop.time() - started - (report.held_s if report is not None else 0.0)
         remote.report = report
+        graft(report.spans, report.run_attributes)  # the worker's model and tool spans, under this run stage
         _apply(report, outcome)
         if report.error is not None:
             raise report.error

@@ -33,6 +33,8 @@ from nemo_gym_prorl.service.agent_loop import AgentOutcome
 from nemo_gym_prorl.service.llm_pool import LLMPool, LLMPoolConfig
 from nemo_gym_prorl.service.orchestrator import ModelSettings, make_agent_loop
 from nemo_gym_prorl.service.stage_clock import StageClock, current_stage_clock
+from nemo_gym_prorl.service.tracing import DetachedRun
+from nemo_gym_prorl.service.trajectory import TimedSpan
 
 _log = logging.getLogger(__name__)
 _CLOSED_KEPT = 10_000
@@ -58,8 +60,9 @@ class WorkerSpec(BaseModel):
 
 
 class RunReport(BaseModel):
-    """What the run stage did: the outcome so far (also when it timed out or failed), what grading needs, and how
-    long its deadline stood still for a weight sync."""
+    """What the run stage did: the outcome so far (also when it timed out or failed), what grading needs, how
+    long its deadline stood still for a weight sync, and its model requests and tool calls as spans (timed from the
+    worker's run start) with what was said of the run (its sandbox), for the head's trace."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     messages: list[dict[str, Any]]
@@ -73,6 +76,8 @@ class RunReport(BaseModel):
     error: BaseException | None = None
     closed: bool = False  # a finished run closes its sandbox at once (one call less per rollout)
     close_error: BaseException | None = None
+    spans: list[TimedSpan] = []
+    run_attributes: dict[str, Any] = {}
 
     @classmethod
     def of(cls, outcome: AgentOutcome, **extra: Any) -> RunReport:
@@ -138,6 +143,14 @@ class RolloutWorker:
         held.episode = episode
 
     async def run(
+        self, key: str, task: str, trajectory_id: str, sampling: SamplingParams, budget_s: float | None
+    ) -> RunReport:
+        recorded = DetachedRun()
+        with recorded.recording():
+            report = await self._run(key, task, trajectory_id, sampling, budget_s)
+        return report.model_copy(update={"spans": recorded.spans, "run_attributes": recorded.attributes})
+
+    async def _run(
         self, key: str, task: str, trajectory_id: str, sampling: SamplingParams, budget_s: float | None
     ) -> RunReport:
         held = self._rollouts[key]

@@ -8,7 +8,9 @@ children and the calls under ``run``, exported over OTLP/HTTP. Off (the default)
 
 The pipeline gives each rollout a ``RolloutTrace`` and runs every stage inside ``RolloutTrace.stage``; code running
 inside a stage (the agent loop, the LLM pool) opens ``span("model")`` / ``span("tool")`` and adds attributes with
-``annotate``: both find the rollout through a context variable, and do nothing outside a rollout.
+``annotate``: both find the rollout through a context variable, and do nothing outside a rollout. A run stage done
+in another process (a Ray rollout worker) records its calls there in a ``DetachedRun``; the rollout's side then
+``graft``s them under its own run stage.
 """
 
 from __future__ import annotations
@@ -254,6 +256,59 @@ def annotate(**attributes: Any) -> None:
     current = _current.get()
     if current is not None:
         current.set(**attributes)
+
+
+class DetachedRun:
+    """The spans of a run stage that runs away from its rollout's trace (a Ray worker's run): inside `recording`,
+    ``span`` / ``annotate`` record as they would in the rollout, and after it `spans` holds the calls, each timed
+    from the run's start (clocks differ between processes, offsets do not), and `attributes` what was said of the
+    run itself. Plain data, for the rollout's side to `graft`."""
+
+    def __init__(self) -> None:
+        self.spans: list[TimedSpan] = []
+        self.attributes: dict[str, Any] = {}
+        self.submitted = 0.0  # the run's start: what the spans' start_s count from
+
+    def timing_spans(self) -> list[TimedSpan]:
+        return self.spans
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        run = ActiveSpan(self, "run", None, {})  # type: ignore[arg-type]  # a trace as far as spans go
+        try:
+            with run:
+                self.submitted = run.start
+                yield
+        finally:
+            self.spans.pop()  # the run's own span: the rollout's run stage is it
+            self.attributes = run.attributes
+
+
+def graft(spans: list[TimedSpan], run_attributes: dict[str, Any]) -> None:
+    """Add what a `DetachedRun` recorded to the span running now (the rollout's run stage): its attributes on it, the
+    calls under it, timed from its start; as OpenTelemetry spans too when it has one. Outside a rollout, nothing."""
+    current = _current.get()
+    if current is None:
+        return
+    current.set(**run_attributes)
+    trace = current.trace
+    for recorded in spans:
+        start = current.start + recorded.start_s
+        trace.timing_spans().append(recorded.model_copy(update={"start_s": start - trace.submitted}))
+        if _tracer is not None and current._otel is not None:
+            from opentelemetry import trace as otel_trace
+
+            otel = _tracer.start_span(
+                recorded.name,
+                context=otel_trace.set_span_in_context(current._otel),
+                attributes={k: _otel_value(v) for k, v in recorded.attributes.items()},
+                start_time=_epoch_ns(start),
+            )
+            if "error" in recorded.attributes:
+                from opentelemetry.trace import Status, StatusCode
+
+                otel.set_status(Status(StatusCode.ERROR, str(recorded.attributes["error"])))
+            otel.end(end_time=_epoch_ns(start + recorded.duration_s))
 
 
 _sandbox_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
