@@ -148,7 +148,6 @@ def check_worker_spans(trajectory: Trajectory, spans: list[ReadableSpan], model_
     assert [m.attributes["turn"] for m in models] == [0, 1]
     assert [m.attributes["generated_tokens"] for m in models] == [len(t["generation_token_ids"]) for t in turns]
     assert all(m.attributes["backend"] == model_url and m.attributes["attempts"] == 1 for m in models)
-    assert models[0].duration_s >= LATENCY_S  # the request's own time, the stand-in's latency included
     assert tool.attributes["tool"] == "bash" and tool.attributes["finished"] is False
     assert {k: tool.attributes[k] for k in ("sandbox_id", "sandbox_backend")} == {
         k: run.attributes[k] for k in ("sandbox_id", "sandbox_backend")
