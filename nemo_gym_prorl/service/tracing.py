@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import socket
 import time
 import weakref
 from collections.abc import Iterator
@@ -316,8 +318,8 @@ _sandbox_numbers = itertools.count(1)
 
 
 def sandbox_id(sandbox: Any) -> str | None:
-    """A name for a sandbox in traces: an Apptainer instance's own name, else one given here, unique in the
-    process (``bwrap-7``)."""
+    """A name for a sandbox in traces: an Apptainer instance's own name, else one given here, unique across the
+    service's processes and nodes (``bwrap-nodeA-4242-7``: host, pid, number), as Ray workers each number theirs."""
     if sandbox is None:
         return None
     name = getattr(sandbox, "name", None)
@@ -326,7 +328,7 @@ def sandbox_id(sandbox: Any) -> str | None:
     try:
         known = _sandbox_ids.get(sandbox)
         if known is None:
-            known = _sandbox_ids[sandbox] = f"{_backend_name(sandbox)}-{next(_sandbox_numbers)}"
+            known = _sandbox_ids[sandbox] = f"{_backend_name(sandbox)}-{socket.gethostname()}-{os.getpid()}-{next(_sandbox_numbers)}"
         return known
     except TypeError:  # not weakly referenceable
         return f"{_backend_name(sandbox)}-{id(sandbox):x}"
