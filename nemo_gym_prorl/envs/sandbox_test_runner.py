@@ -130,7 +130,21 @@ def _wait(pid: int, timeout_s: float) -> "tuple[int | None, bool, float]":
     _, status = os.waitpid(pid, 0)
     elapsed = time.monotonic() - start
     _kill_group(pid)  # whatever the test left running in its group
+    _wait_until_group_gone(pid)
     return status, timed_out, elapsed
+
+
+def _wait_until_group_gone(pgid: int, within_s: float = 10.0) -> None:
+    """Until every process of the group is reaped (a killed process counts against the user's process limit
+    until then): the next test must not fail to fork because a fork bomb's thousands of killed processes are
+    still being reaped, which under load takes seconds. Bounded: a group that outlives it is left to the sweep."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.01)
 
 
 def _kill_group(pgid: int) -> None:
