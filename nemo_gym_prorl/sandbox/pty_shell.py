@@ -127,7 +127,9 @@ class ShellLauncher:
         self.env = dict(env) if env is not None else None
 
     def spawn(self, tty: int) -> subprocess.Popen[bytes]:
-        """Start the process with `tty` (the pty's slave end) as stdin, stdout, stderr and controlling terminal."""
+        """Start the process with `tty` (the pty's slave end) as stdin, stdout, stderr and controlling terminal,
+        taking Ctrl-C even if this process was started ignoring it (`interrupts.py`: a launcher of its own passes
+        the same `preexec_fn`)."""
         setsid = shutil.which("setsid") or "/usr/bin/setsid"
         return subprocess.Popen(
             [setsid, "--ctty", *self.argv],
@@ -455,7 +457,6 @@ class _PtyChild:
             attrs[3] &= ~termios.ECHO  # lflag: the shell's input is not echoed back
             termios.tcsetattr(slave, termios.TCSANOW, attrs)
             fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", *dimensions, 0, 0))
-            interruptible_children()  # commands must take Ctrl-C even if we were started ignoring it
             popen = launcher.spawn(slave)
         except OSError as e:
             os.close(master)
