@@ -16,7 +16,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm import tqdm
 
@@ -24,6 +23,7 @@ from nemo_gym_prorl.envs import Environment, make_environment
 from nemo_gym_prorl.envs.dataset import load_instances
 from nemo_gym_prorl.envs.task import TaskConfig
 from nemo_gym_prorl.service.job import TaskChoice
+from nemo_gym_prorl.service.report import config_record_path, read_config_record
 from nemo_gym_prorl.service.runtime import SandboxConfig
 from nemo_gym_prorl.service.trajectory import Reverification, Trajectory
 from nemo_gym_prorl.startup import check_sandbox_backend
@@ -48,11 +48,7 @@ class ReverifyError(ValueError):
 
 def recorded_task(rollouts: Path) -> str | None:
     """The task named in the record `prorl rollout` wrote beside `rollouts` (`<stem>.config.yaml`), if any."""
-    record_path = rollouts.with_suffix(".config.yaml")
-    if not record_path.is_file():
-        return None
-    record = yaml.safe_load(record_path.read_text()) or {}
-    return ((record.get("config") or {}).get("task") or {}).get("name")
+    return ((read_config_record(rollouts).get("config") or {}).get("task") or {}).get("name")
 
 
 def task_name(config: ReverifyConfig) -> str:
@@ -64,7 +60,7 @@ def task_name(config: ReverifyConfig) -> str:
     name = recorded_task(config.input)
     if name is None:
         raise ReverifyError(
-            f"{config.input}: no {config.input.with_suffix('.config.yaml').name} beside it names the task that made it; "
+            f"{config.input}: no {config_record_path(config.input).name} beside it names the task that made it; "
             "give task=NAME (e.g. task=math)"
         )
     return name
@@ -194,7 +190,7 @@ def summary_lines(task: str, trajectories: list[Trajectory]) -> list[str]:
 def write_rollouts(path: Path, trajectories: list[Trajectory], config_record: str | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if config_record is not None:
-        path.with_suffix(".config.yaml").write_text(config_record)
+        config_record_path(path).write_text(config_record)
     with path.open("w") as out:
         for trajectory in trajectories:
             out.write(trajectory.model_dump_json() + "\n")

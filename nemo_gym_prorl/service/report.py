@@ -6,8 +6,9 @@ import statistics
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
+import yaml
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
@@ -15,6 +16,23 @@ from tqdm import tqdm
 from nemo_gym_prorl.service.trajectory import Trajectory
 
 _STAGES = ("init", "run", "eval")
+
+
+def config_record_path(output: Path) -> Path:
+    """Where the resolved config that made `output` is kept: `<stem>.config.yaml` beside it."""
+    return output.with_suffix(".config.yaml")
+
+
+def read_config_record(output: Path) -> dict[str, Any]:
+    """The config record beside `output` as a mapping; {} when there is none, or it is not a YAML mapping."""
+    record = config_record_path(output)
+    if not record.is_file():
+        return {}
+    try:
+        loaded = yaml.safe_load(record.read_text())
+    except yaml.YAMLError:
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
 
 
 class RolloutReport:
@@ -39,7 +57,7 @@ class RolloutReport:
         cannot start leaves neither an empty output nor a bar on the terminal."""
         self.output.parent.mkdir(parents=True, exist_ok=True)
         if self.config_record is not None:
-            self.output.with_suffix(".config.yaml").write_text(self.config_record)
+            config_record_path(self.output).write_text(self.config_record)
         self._file = self.output.open("w")
         self._bar = tqdm(total=total, desc="rollouts", unit="rollout", dynamic_ncols=True)
 

@@ -13,9 +13,10 @@ from typing import Any
 
 import uvicorn
 
+from nemo_gym_prorl.service.report import read_config_record
 from nemo_gym_prorl.viewer.app import create_viewer_app
 from nemo_gym_prorl.viewer.detail import TokenTexts
-from nemo_gym_prorl.viewer.sources import FileSource, RolloutFileError, run_record
+from nemo_gym_prorl.viewer.sources import FileSource, RolloutFileError
 
 NO_TOKENIZER = "none"
 
@@ -44,7 +45,7 @@ def _tokenizer_gguf(choice: str | None, file: Path) -> Path | None:
         if not gguf.is_file():
             raise RolloutFileError(f"--tokenizer {choice}: no such file")
         return gguf
-    model: dict[str, Any] = (run_record(file).get("config") or {}).get("model") or {}
+    model: dict[str, Any] = (read_config_record(file).get("config") or {}).get("model") or {}
     if model.get("kind", "local") != "local" or not model:
         return None
     if model.get("gguf"):

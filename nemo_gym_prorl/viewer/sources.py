@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import orjson
-import yaml
 
+from nemo_gym_prorl.service.report import read_config_record
 from nemo_gym_prorl.service.store import JobStore
 from nemo_gym_prorl.viewer.records import RowShapeError, Summary, summarize
 
@@ -36,18 +36,6 @@ class RolloutSource(Protocol):
     def row(self, index: int) -> dict[str, Any] | None: ...
 
 
-def run_record(path: Path) -> dict[str, Any]:
-    """The resolved config `prorl rollout` keeps beside its output (`<stem>.config.yaml`); {} when there is none."""
-    record = path.with_suffix(".config.yaml")
-    if not record.is_file():
-        return {}
-    try:
-        loaded = yaml.safe_load(record.read_text())
-    except yaml.YAMLError:
-        return {}
-    return loaded if isinstance(loaded, dict) else {}
-
-
 class FileSource:
     """Every row of a JSONL file summarised; a row's full JSON is parsed again only when it is opened.
 
@@ -62,7 +50,7 @@ class FileSource:
         self.path = path
         self.title = str(path)
         if task is None:
-            tasks = run_record(path).get("tasks") or [{}]
+            tasks = read_config_record(path).get("tasks") or [{}]
             task = tasks[0].get("name") if isinstance(tasks[0], dict) else None
         self._task = task
         try:
