@@ -72,6 +72,15 @@ def environment(**verifier: object) -> SweEnvironment:
     return SweEnvironment(task, "bwrap")
 
 
+async def bash_in_an_episode(env: SweEnvironment, instance_id: str, row: dict[str, object], command: str) -> str:
+    """What `command` prints in a freshly staged episode of `row` (closed after)."""
+    episode = await env.init(TaskInstance(instance_id=instance_id, data=row))
+    try:
+        return (await env.call_tool(episode, ToolCall(name="bash", arguments={"command": command}))).text
+    finally:
+        await env.close(episode)
+
+
 async def grade(env: SweEnvironment, row: dict[str, object], patch: str) -> tuple[float, dict]:
     instance = TaskInstance(instance_id=str(row.get("instance_id", "r2e-0")), data=row)
     evaluation = await env.grade(instance, {"patch": patch})
@@ -81,13 +90,8 @@ async def grade(env: SweEnvironment, row: dict[str, object], patch: str) -> tupl
 async def test_a_git_source_is_staged_at_its_base_and_graded(repo: LocalRepo, rootfs: Path) -> None:
     env = environment()
     row = repo.swebench_row()
-    episode = await env.init(TaskInstance(instance_id="local__calc-1", data=row))
-    try:
-        command = "pwd; git log --format=%s; grep -c 'a - b' calc/__init__.py"
-        seen = await env.call_tool(episode, ToolCall(name="bash", arguments={"command": command}))
-    finally:
-        await env.close(episode)
-    assert seen.text.split() == ["/testbed", "base", "1"], seen.text  # one squashed commit, on the buggy base
+    seen = await bash_in_an_episode(env, "local__calc-1", row, "pwd; git log --format=%s; grep -c 'a - b' calc/__init__.py")
+    assert seen.split() == ["/testbed", "base", "1"], seen  # one squashed commit, on the buggy base
     reward, details = await grade(env, row, repo.gold)
     assert reward == 1.0 and details["fail_to_pass"] == "1/1" and details["pass_to_pass"] == "1/1", details
     reward, details = await grade(env, row, "")
@@ -145,13 +149,8 @@ async def test_an_r2egym_row_is_resolved_only_by_the_exact_test_map(
     env = environment(image=str(r2e_images / "{docker_image_name}"))
     row = {"docker_image": "local/calc:r2e", "repo_name": "calc", "commit_hash": repo.base, "patch": repo.gold,
            "problem_statement": "add(2, 3) is -1", "expected_output_json": json.dumps({F2P: "PASSED", P2P: "PASSED"})}  # fmt: skip
-    episode = await env.init(TaskInstance(instance_id="r2e-0", data=row))
-    try:
-        command = "pwd; git log --oneline | wc -l"
-        seen = await env.call_tool(episode, ToolCall(name="bash", arguments={"command": command}))
-    finally:
-        await env.close(episode)
-    assert seen.text.split() == ["/testbed", "1"]  # the image's /testbed, its history squashed
+    seen = await bash_in_an_episode(env, "r2e-0", row, "pwd; git log --oneline | wc -l")
+    assert seen.split() == ["/testbed", "1"]  # the image's /testbed, its history squashed
     assert list((tmp_path / "cache/images").iterdir())  # taken out of the image once
 
     assert (await grade(env, row, repo.gold))[0] == 1.0
