@@ -113,6 +113,19 @@ def _otel_value(value: Any) -> Any:
     return value if isinstance(value, (str, bool, int, float)) else str(value)
 
 
+def _start_otel_span(name: str, parent: Any, attributes: dict[str, Any], start: float) -> Any:
+    """An OpenTelemetry span under `parent`, begun at `start` (perf_counter seconds)."""
+    from opentelemetry import trace as otel_trace
+
+    assert _tracer is not None
+    return _tracer.start_span(
+        name,
+        context=otel_trace.set_span_in_context(parent),
+        attributes={k: _otel_value(v) for k, v in attributes.items()},
+        start_time=_epoch_ns(start),
+    )
+
+
 class ActiveSpan:
     """A span being timed (``with``/``async with``); `set` adds attributes. Ends with the block, recording a
     ``TimedSpan`` on the trajectory and ending its OpenTelemetry span, if any."""
@@ -136,14 +149,7 @@ class ActiveSpan:
     def __enter__(self) -> ActiveSpan:
         self.start = time.perf_counter()
         if _tracer is not None and self._parent is not None:
-            from opentelemetry import trace as otel_trace
-
-            self._otel = _tracer.start_span(
-                self.name,
-                context=otel_trace.set_span_in_context(self._parent),
-                attributes={k: _otel_value(v) for k, v in self.attributes.items()},
-                start_time=_epoch_ns(self.start),
-            )
+            self._otel = _start_otel_span(self.name, self._parent, self.attributes, self.start)
         self._token = _current.set(self)
         return self
 
@@ -298,14 +304,7 @@ def graft(spans: list[TimedSpan], run_attributes: dict[str, Any]) -> None:
         start = current.start + recorded.start_s
         trace.timing_spans().append(recorded.model_copy(update={"start_s": start - trace.submitted}))
         if _tracer is not None and current._otel is not None:
-            from opentelemetry import trace as otel_trace
-
-            otel = _tracer.start_span(
-                recorded.name,
-                context=otel_trace.set_span_in_context(current._otel),
-                attributes={k: _otel_value(v) for k, v in recorded.attributes.items()},
-                start_time=_epoch_ns(start),
-            )
+            otel = _start_otel_span(recorded.name, current._otel, recorded.attributes, start)
             if "error" in recorded.attributes:
                 from opentelemetry.trace import Status, StatusCode
 
