@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -126,7 +127,7 @@ class RolloutWorker:
             if self.spec.paused:
                 await self.pool.pause()
         context = ray.get_runtime_context()
-        return {"node_id": context.get_node_id(), "pid": __import__("os").getpid(), "swept": len(self.swept)}
+        return {"node_id": context.get_node_id(), "pid": os.getpid(), "swept": len(self.swept)}
 
     # -- rollout stages ---------------------------------------------------------------------------------------------
 
