@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -9,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from nemo_gym_prorl.envs import make_environment
+from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.sandbox import Sandbox, SandboxSpec, open_sandbox
 from nemo_gym_prorl.tools import BashTool, EditorTool, FinishTool, PythonTool, ToolOutput, make_tools
 
@@ -38,6 +41,21 @@ def test_make_tools_builds_the_named_tools_with_matching_schemas() -> None:
     assert tools["python"].timeout_s == 7  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="unknown tool 'shell'"):
         make_tools(["shell"], timeout_s=1)
+
+
+async def test_tool_descriptions_name_the_workspace_of_the_tasks_sandboxes() -> None:
+    """An SWE task's sandboxes have their workspace at /testbed (SandboxSpec.workspace): no tool description may
+    point the model at /workspace, which does not exist there."""
+    swe_task = load_task("swe/offline")
+    for workdir in ("/testbed", "/src/repo"):
+        task = swe_task.model_copy(update={"verifier": swe_task.verifier | {"workdir": workdir}})
+        env = make_environment(task, "bwrap")
+        described = json.dumps(env.tool_schemas())
+        assert env.workspace == workdir
+        assert "/workspace" not in described and f"`{workdir}/file.py`" in described
+    async with open_sandbox("bwrap", SandboxSpec(workspace="/testbed")) as sbx:  # as SweEnvironment opens them
+        assert (await sbx.run("cd /workspace 2>/dev/null || pwd", timeout=10)).output.strip() == "/testbed"
+    assert "`/workspace/file.py`" in json.dumps(make_tools(["str_replace_editor"], 1)["str_replace_editor"].schema())
 
 
 # -- bash ----------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.envs.task import TaskConfig
-from nemo_gym_prorl.sandbox import Sandbox, SandboxSpec, open_sandbox
+from nemo_gym_prorl.sandbox import WORKSPACE, Sandbox, SandboxSpec, open_sandbox
 from nemo_gym_prorl.tool_calls import ToolCall
 from nemo_gym_prorl.tools import ToolOutput, make_tools
 
@@ -62,9 +62,14 @@ class Environment(ABC):
         system = [{"role": "system", "content": self.task.system_prompt}] if self.task.system_prompt else []
         return [*system, {"role": "user", "content": user}]
 
+    @property
+    def workspace(self) -> str:
+        """Where this environment's sandboxes have their workspace (the tools' descriptions name it)."""
+        return WORKSPACE
+
     def tool_schemas(self, instance: TaskInstance | None = None) -> list[dict[str, Any]]:
         """The tools offered; an environment whose rows carry their own tools uses `instance`."""
-        return [tool.schema() for tool in self.tools.values()]
+        return [tool.schema(self.workspace) for tool in self.tools.values()]
 
     async def init(self, instance: TaskInstance) -> Episode:
         sandbox = open_sandbox(self.sandbox_backend, SandboxSpec(limits=self.task.limits))

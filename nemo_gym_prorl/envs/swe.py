@@ -61,6 +61,10 @@ class SweEnvironment(Environment):
         self._backend_forks = hasattr(open_sandbox(sandbox_backend, SandboxSpec()), "fork")
         self._forming: dict[str, list[asyncio.Future[tuple[Sandbox, str]]]] = {}
 
+    @property
+    def workspace(self) -> str:
+        return self.settings.workdir
+
     def row(self, instance: TaskInstance) -> SweRow:
         data = instance.data if "instance_id" in instance.data else instance.data | {"instance_id": instance.instance_id}
         row = parse_row(data, instance.instance_id, self.settings.row_format)

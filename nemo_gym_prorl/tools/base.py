@@ -26,8 +26,9 @@ class ToolOutput(BaseModel):
 class Tool(Protocol):
     name: str
 
-    def schema(self) -> dict[str, Any]:
-        """The OpenAI function-tool definition the model sees."""
+    def schema(self, workspace: str = WORKSPACE) -> dict[str, Any]:
+        """The OpenAI function-tool definition the model sees, for sandboxes whose workspace is at `workspace`
+        (its description may name paths there: an SWE task's is /testbed, not /workspace)."""
         ...
 
     async def __call__(self, sandbox: Sandbox, arguments: dict[str, Any]) -> ToolOutput: ...

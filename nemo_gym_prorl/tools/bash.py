@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_gym_prorl.sandbox.base import ExecResult, Sandbox, with_note
+from nemo_gym_prorl.sandbox.base import WORKSPACE, ExecResult, Sandbox, with_note
 from nemo_gym_prorl.tools.base import ToolOutput, function_schema, string_argument
 
 
@@ -29,7 +29,7 @@ class BashTool:
     def __init__(self, timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
 
-    def schema(self) -> dict[str, Any]:
+    def schema(self, workspace: str = WORKSPACE) -> dict[str, Any]:
         return function_schema(
             "bash",
             "Run a bash command in a persistent shell (cwd, variables and functions persist between calls) and "

@@ -18,7 +18,7 @@ import posixpath
 import weakref
 from typing import Any
 
-from nemo_gym_prorl.sandbox.base import Sandbox
+from nemo_gym_prorl.sandbox.base import WORKSPACE, Sandbox
 from nemo_gym_prorl.tools.base import ToolOutput, function_schema, workspace_dir
 
 COMMANDS = ("view", "create", "str_replace", "insert", "undo_edit")
@@ -43,7 +43,7 @@ class EditorTool:
         self.timeout_s = timeout_s
         self._history: weakref.WeakKeyDictionary[Sandbox, dict[str, list[bytes]]] = weakref.WeakKeyDictionary()
 
-    def schema(self) -> dict[str, Any]:
+    def schema(self, workspace: str = WORKSPACE) -> dict[str, Any]:
         return function_schema(
             "str_replace_editor",
             "Custom editing tool for viewing, creating and editing plain-text files in the workspace.\n"
@@ -60,7 +60,7 @@ class EditorTool:
                 "command": {"type": "string", "enum": list(COMMANDS), "description": "the command to run"},
                 "path": {
                     "type": "string",
-                    "description": "absolute path to a file or directory in the workspace, e.g. `/workspace/file.py`",
+                    "description": f"absolute path to a file or directory in the workspace, e.g. `{workspace}/file.py`",
                 },
                 "file_text": {"type": "string", "description": "`create`: the content of the new file"},
                 "old_str": {"type": "string", "description": "`str_replace`: the exact text to replace"},

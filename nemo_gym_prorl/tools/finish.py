@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_gym_prorl.sandbox.base import Sandbox
+from nemo_gym_prorl.sandbox.base import WORKSPACE, Sandbox
 from nemo_gym_prorl.tools.base import ToolOutput, function_schema
 
 
 class FinishTool:
     name = "finish"
 
-    def schema(self) -> dict[str, Any]:
+    def schema(self, workspace: str = WORKSPACE) -> dict[str, Any]:
         return function_schema(
             "finish",
             "Submit your final answer and end the task.",

@@ -26,7 +26,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_prorl.sandbox.base import Sandbox
+from nemo_gym_prorl.sandbox.base import WORKSPACE, Sandbox
 from nemo_gym_prorl.tools.base import ToolOutput, function_schema, string_argument, workspace_dir
 
 STATE_DIR = ".prorl/python"
@@ -52,7 +52,7 @@ class PythonTool:
         self.max_output_bytes = max_output_bytes
         self._installed: weakref.WeakKeyDictionary[Sandbox, bool] = weakref.WeakKeyDictionary()
 
-    def schema(self) -> dict[str, Any]:
+    def schema(self, workspace: str = WORKSPACE) -> dict[str, Any]:
         return function_schema(
             "python",
             "Run Python 3 code in a persistent interpreter (like a notebook: variables, functions and imports "
