@@ -1,5 +1,5 @@
 """A sandbox's workspace mounted where SWE images and eval scripts expect the repository (`SandboxSpec.workspace`,
-/testbed), on real bubblewrap (and its forks), real Apptainer on a SIF, our NeMo Gym provider and the tools.
+/testbed), on real bubblewrap (and its forks, in the default image), real Apptainer on a SIF, our NeMo Gym provider and the tools.
 The default (/workspace) is what every other test runs on.
 """
 
@@ -31,8 +31,9 @@ async def test_shell_files_and_tools_use_a_workspace_at_testbed(testbed_spec: tu
     backend, spec = testbed_spec
     tools = make_tools(["bash", "python", "str_replace_editor"], timeout_s=60)
     async with open_sandbox(backend, spec) as sandbox:
-        shell = await sandbox.run("pwd; echo $HOME", 30)
-        assert shell.output.split() == [TESTBED, TESTBED]
+        # the sandbox user's passwd entry agrees with HOME (programs that ask passwd, not $HOME, find the workspace)
+        shell = await sandbox.run("pwd; echo $HOME; echo ~; getent passwd $(id -u) | cut -d: -f6", 30)
+        assert shell.output.split() == [TESTBED] * 4
         await sandbox.write_file(f"{TESTBED}/pkg/mod.py", b"VALUE = 1\n")
         assert await sandbox.read_file("pkg/mod.py") == b"VALUE = 1\n"
         ran = await sandbox.exec(["python3", "-c", "import pkg.mod; print(pkg.mod.__file__)"], 30)
@@ -49,14 +50,16 @@ async def test_shell_files_and_tools_use_a_workspace_at_testbed(testbed_spec: tu
         assert (await tools["bash"](sandbox, {"command": "cat pkg/mod.py"})).text.strip() == "VALUE = 22"
 
 
-async def test_bwrap_forks_keep_the_workspace_at_testbed() -> None:
-    async with open_sandbox("bwrap", SandboxSpec(workspace=TESTBED)) as parent:
+async def test_bwrap_forks_of_an_image_keep_the_workspace_at_testbed(rootfs: Path) -> None:
+    async with open_sandbox("bwrap", SandboxSpec(workspace=TESTBED, image=str(rootfs))) as parent:
         await parent.write_file("base.txt", b"base")
         forks = await parent.fork(2)
     try:
         await forks[0].write_file(f"{TESTBED}/mine.txt", b"mine")
-        seen = [(await f.run("pwd; cat base.txt; echo; ls", 30)).output.split() for f in forks]
-        assert seen[0] == [TESTBED, "base", "base.txt", "mine.txt"] and seen[1] == [TESTBED, "base", "base.txt"]
+        home = "getent passwd $(id -u) | cut -d: -f6"  # the image's entry for the sandbox user, its home moved
+        seen = [(await f.run(f"{home}; pwd; cat base.txt; echo; ls", 30)).output.split() for f in forks]
+        assert seen[0] == [TESTBED, TESTBED, "base", "base.txt", "mine.txt"]
+        assert seen[1] == [TESTBED, TESTBED, "base", "base.txt"]
         assert await forks[0].read_file("mine.txt") == b"mine"
     finally:
         for fork in forks:

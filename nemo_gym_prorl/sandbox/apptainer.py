@@ -64,7 +64,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_prorl.sandbox import disk, images, seccomp
+from nemo_gym_prorl.sandbox import disk, images, passwd, seccomp
 from nemo_gym_prorl.sandbox.base import ExecResult, SandboxError, SandboxSpec, with_note
 from nemo_gym_prorl.sandbox.disk import SandboxDisk
 from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle, to_thread_to_the_end
@@ -224,6 +224,7 @@ class ApptainerSandbox(SandboxLifecycle):
             else:
                 self._make_writable_dirs()
             await self._start_instance(image)
+            self._home_in_passwd()
             assert self._control is not None
             self._shell = PtyShell(
                 _InstanceShellLauncher(
@@ -413,6 +414,18 @@ class ApptainerSandbox(SandboxLifecycle):
             raise SandboxError(f"apptainer started instance {self.name} but does not list it")
         self._open_instance_pidfds(int(entry["pid"]))
         self._start_watchdog()
+
+    def _home_in_passwd(self) -> None:
+        """As root, the sandbox runs as uid 65534, whose image entry has its home at /nonexistent: it gets the
+        workspace, where HOME points (`passwd.py`), in the instance's writable layer, before anything of the
+        sandbox runs. (Started as another user, the sandbox runs as that user, with the entry Apptainer gives it.)"""
+        if not self._as_root or self._instance_pid is None:
+            return
+        root_fd = os.open(f"/proc/{self._instance_pid}/root", os.O_PATH | os.O_DIRECTORY)
+        try:
+            passwd.rewrite_beneath(root_fd, SANDBOX_UID, self.spec.workspace)
+        finally:
+            os.close(root_fd)
 
     def _start_watchdog(self) -> None:
         """The process that kills the instance if we die without closing it (`watchdog.py`)."""

@@ -65,7 +65,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from nemo_gym_prorl.sandbox import disk
+from nemo_gym_prorl.sandbox import disk, passwd
 from nemo_gym_prorl.sandbox.base import (
     ExecResult,
     FileTooLargeError,
@@ -275,9 +275,28 @@ class BwrapSandbox(SandboxLifecycle):
             (root / "empty").write_bytes(b"")
             (root / "empty").chmod(0o444)
             (root / "emptydir").mkdir(mode=0o555)
-            for name, text in _ETC_OWN.items():
-                (root / f"etc-{name}").write_text(text)
-                (root / f"etc-{name}").chmod(0o444)
+        etc = dict(_ETC_OWN) if self.spec.image is None else {}
+        if (users := self._passwd()) is not None:
+            etc["passwd"] = users
+        for name, text in etc.items():
+            (root / f"etc-{name}").write_text(text)
+            (root / f"etc-{name}").chmod(0o444)
+
+    def _passwd(self) -> str | None:
+        """/etc/passwd for the sandbox, ours or its image's, with the sandbox user's home at the workspace, where HOME
+        points (`passwd.py`); None for an image without one."""
+        text: str | None = _ETC_OWN["passwd"]
+        if self.spec.image is not None:
+            try:
+                image_fd = os.open(self.spec.image, os.O_PATH | os.O_DIRECTORY)
+            except OSError:
+                return None  # not a directory: _root_fs_args says so
+            try:
+                text = passwd.read_beneath(image_fd)
+            finally:
+                os.close(image_fd)
+        return None if text is None else passwd.with_home(text, _INNER_UID, self.spec.workspace)
+
 
     def _make_writable_dirs(self) -> None:
         """What the sandbox writes to, in `disk`: the workspace or a fork's overlay layers, and with a disk of its
@@ -371,8 +390,11 @@ class BwrapSandbox(SandboxLifecycle):
             os.path.join(image, "usr/bin/bash")
         ):
             raise SandboxError(f"image {image!r} has no bash (/bin/bash), which the sandbox's shell needs")
+        own_passwd = ["--ro-bind", str(self._root / "etc-passwd"), "/etc/passwd"]
+        if not (self._root / "etc-passwd").exists():
+            own_passwd = []
         if image_is_root:
-            return ["--ro-bind", image, "/"]
+            return ["--ro-bind", image, "/", *own_passwd]
         args = []
         mounted_over = ("proc", "dev", "tmp", "sys", "workspace", CONTROL_DIR.lstrip("/"), self.spec.workspace[1:])
         for entry in sorted(os.scandir(image), key=lambda e: e.name):
@@ -382,7 +404,7 @@ class BwrapSandbox(SandboxLifecycle):
                 args += ["--symlink", os.readlink(entry.path), f"/{entry.name}"]
             else:
                 args += ["--ro-bind", entry.path, f"/{entry.name}"]
-        return args
+        return args + own_passwd
 
     def _image_is_root(self) -> bool:
         """Whether the image can be `/` itself: it has a directory for each mount point over it (a read-only
