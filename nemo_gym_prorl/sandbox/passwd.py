@@ -12,9 +12,6 @@ from __future__ import annotations
 import os
 import stat
 
-from nemo_gym_prorl.sandbox.syscalls import open_beneath
-
-PASSWD = "etc/passwd"
 _MAX_BYTES = 1 << 20
 
 
@@ -32,11 +29,21 @@ def with_home(passwd: str, uid: int, home: str, name: str = "sandbox") -> str:
     return "\n".join(lines) + "\n"
 
 
-def read_beneath(root_fd: int) -> str | None:
-    """The /etc/passwd of the tree `root_fd` opens (an image, a container's root), resolved without leaving it; None
-    when it has none (or only one that leads outside, a directory, ...)."""
+def _open_passwd(root_fd: int, flags: int) -> int:
+    """`etc/passwd` under `root_fd`, following no symlink (a tree's own links could lead out of it, into the host's
+    files): an image whose /etc or /etc/passwd is a link keeps its file as it is."""
+    etc = os.open("etc", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
     try:
-        fd = open_beneath(root_fd, PASSWD, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+        return os.open("passwd", flags | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=etc)
+    finally:
+        os.close(etc)
+
+
+def read_beneath(root_fd: int) -> str | None:
+    """The /etc/passwd of the tree `root_fd` opens (an image, a container's root); None when it has none (or a link,
+    a directory, ...)."""
+    try:
+        fd = _open_passwd(root_fd, os.O_RDONLY)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as file:
@@ -49,7 +56,7 @@ def rewrite_beneath(root_fd: int, uid: int, home: str) -> bool:
     """Give `uid` the home `home` in the writable /etc/passwd of the tree `root_fd` opens, in place; False when
     there is none to rewrite."""
     try:
-        fd = open_beneath(root_fd, PASSWD, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)
+        fd = _open_passwd(root_fd, os.O_RDWR)
     except OSError:
         return False
     with os.fdopen(fd, "r+b") as file:
