@@ -215,7 +215,8 @@ class Orchestrator:
             rollouts.append(rollout)
         live.rollouts += rollouts
         self.store.set_state(job_id, "running")
-        self.pipeline.submit(rollouts)
+        # one group: with pipeline.fork_groups, one init forked into its samples (on Ray, each inits on its worker)
+        self.pipeline.submit(rollouts, group=self.remote is None)
 
     def _agent(self, env: Environment, trajectory_id: str, sampling: SamplingParams) -> AgentLoop:
         return make_agent_loop(env, self.model, self.pool, self.tokenizer, trajectory_id, sampling)
@@ -382,6 +383,7 @@ class Orchestrator:
             "paused": self.pipeline.paused,
             "stages": self.pipeline.status(),
             "live_rollouts": self.pipeline.live,
+            "fork_groups": dict(self.pipeline.group_stats),
             "jobs": self.store.counts(),
             "llm_backends": [b.model_dump() for b in self.pool.backends()],
             **({"workers": self.remote.status()} if self.remote is not None else {}),

@@ -9,6 +9,11 @@ closed).
 The run stage ends by collecting what grading needs (the answer, a patch) and closing the sandbox, so a long
 evaluation never holds a sandbox slot that the next init could use.
 
+With ``fork_groups`` on, the samples of one instance submitted together (a GRPO group) go through init as one:
+their sandbox slots are taken together, one init runs, and its sandbox is forked into one per sample
+(``group_fork``); each sample's init stage is the shared init plus its fork, and from there on it is a rollout
+like any other.
+
 Deadlines count stage time only, never queue time: each stage has its own, and a rollout's stages together have
 the job's. Cancelling a rollout frees its sandbox at once, whatever stage or queue it is in. Every rollout ends in
 a trajectory whose ``critical_error`` says what ended it (init/run/eval/timeout/cancelled, or None).
@@ -21,6 +26,7 @@ import logging
 import time
 import traceback
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -30,8 +36,9 @@ from pydantic import BaseModel, Field
 from nemo_gym_prorl.envs.base import Environment, Episode, Submission
 from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.service.agent_loop import AgentLoop, AgentOutcome
+from nemo_gym_prorl.service.group_fork import ForkGroup, can_fork
 from nemo_gym_prorl.service.stage_clock import StageClock, current_stage_clock
-from nemo_gym_prorl.service.tracing import RolloutTrace
+from nemo_gym_prorl.service.tracing import RolloutTrace, graft
 from nemo_gym_prorl.service.trajectory import Trajectory
 
 _log = logging.getLogger(__name__)
@@ -51,6 +58,10 @@ class PipelineConfig(BaseModel):
     eval: StageConfig = StageConfig(workers=8, deadline_s=900)
     job_deadline_s: float | None = Field(None, gt=0, description="init + run + eval time of one rollout")
     max_live_sandboxes: int = Field(256, ge=1)
+    fork_groups: bool = Field(
+        False, description="a job's samples (a GRPO group) share one init, forked into one sandbox per sample (one "
+        "init, n forks: service/group_fork.py); where the task type and sandbox backend can fork, else one init each",
+    )
 
 
 @dataclass
@@ -73,6 +84,7 @@ class Rollout:
     finished: bool = False
     holds_sandbox_slot: bool = False
     run_completed: bool = False
+    group: ForkGroup | None = None  # the init it shares with the other samples of its group, while in init
     done: asyncio.Future[Trajectory] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     trace: RolloutTrace = field(init=False)
 
@@ -83,6 +95,13 @@ class Rollout:
 
     def __hash__(self) -> int:
         return id(self)
+
+
+@dataclass(eq=False)
+class _Group:
+    """Samples of one instance that go through init as one (fork_groups)."""
+
+    members: list[Rollout]
 
 
 class _StageTimeout(Exception):
@@ -101,11 +120,14 @@ class RolloutLost(Exception):
 class RolloutPipeline:
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
-        self._queues: dict[Stage, asyncio.Queue[Rollout]] = {stage: asyncio.Queue() for stage in STAGES}
+        self._queues: dict[Stage, asyncio.Queue[Rollout | _Group]] = {stage: asyncio.Queue() for stage in STAGES}
+        self._queued: dict[Stage, int] = dict.fromkeys(STAGES, 0)  # rollouts in the queue (a group counts each)
         self._active: dict[Stage, int] = dict.fromkeys(STAGES, 0)
         self._held: dict[Stage, int] = dict.fromkeys(STAGES, 0)  # taken by a worker, waiting on intake or a slot
         self._workers: list[asyncio.Task[None]] = []
         self._sandbox_slots = asyncio.Semaphore(config.max_live_sandboxes)
+        self._slot_order = asyncio.Lock()  # a group takes its slots together: two never each hold part, waiting
+        self.group_stats: Counter[str] = Counter()  # fork_groups: groups, their inits and the sandboxes forked
         self._live: set[Rollout] = set()
         self._intake = asyncio.Event()
         self._intake.set()
@@ -147,11 +169,20 @@ class RolloutPipeline:
 
     # -- intake and cancel ---------------------------------------------------------------------------------------
 
-    def submit(self, rollouts: Iterable[Rollout]) -> None:
+    def submit(self, rollouts: Iterable[Rollout], group: bool = False) -> None:
+        """Start `rollouts`. With `group` (they are samples of one instance, in this process) and ``fork_groups``
+        on, they share one init where their environment can fork, in groups of at most ``max_live_sandboxes``."""
+        rollouts = list(rollouts)
         for rollout in rollouts:
             self._live.add(rollout)
             rollout.trace.start()
-            self._enqueue("init", rollout)
+        if group and self.config.fork_groups and len(rollouts) > 1 and can_fork(rollouts[0].env):
+            size = self.config.max_live_sandboxes
+            for i in range(0, len(rollouts), size):
+                self._enqueue("init", _Group(rollouts[i : i + size]))
+        else:
+            for rollout in rollouts:
+                self._enqueue("init", rollout)
 
     async def cancel(self, rollout: Rollout) -> None:
         """End `rollout` as cancelled now: a running stage is interrupted, a held sandbox is closed."""
@@ -169,7 +200,7 @@ class RolloutPipeline:
         slot is taken), rollouts in it, and its workers."""
         return {
             stage: {
-                "queued": self._queues[stage].qsize() + self._held[stage],
+                "queued": self._queued[stage] + self._held[stage],
                 "active": self._active[stage],
                 "workers": getattr(self.config, stage).workers,
             }
@@ -182,44 +213,87 @@ class RolloutPipeline:
 
     # -- internals -----------------------------------------------------------------------------------------------
 
-    def _enqueue(self, stage: Stage, rollout: Rollout) -> None:
-        rollout.enqueued_at = time.perf_counter()
-        self._queues[stage].put_nowait(rollout)
+    def _enqueue(self, stage: Stage, item: Rollout | _Group) -> None:
+        members = item.members if isinstance(item, _Group) else [item]
+        for rollout in members:
+            rollout.enqueued_at = time.perf_counter()
+        self._queued[stage] += len(members)
+        self._queues[stage].put_nowait(item)
 
     async def _worker(self, stage: Stage) -> None:
         queue = self._queues[stage]
         while True:
-            rollout = await queue.get()
-            self._held[stage] += 1
+            item = await queue.get()
+            members = item.members if isinstance(item, _Group) else [item]
+            self._queued[stage] -= len(members)
+            self._held[stage] += len(members)
             try:
                 await self._intake.wait()
+                members = await self._take_slots(stage, members)
+            finally:
+                self._held[stage] -= len(item.members) if isinstance(item, _Group) else 1
+            if len(members) > 1:
+                await self._init_group(members)
+            elif members:
+                await self._drive(stage, members[0])
+
+    async def _take_slots(self, stage: Stage, members: list[Rollout]) -> list[Rollout]:
+        """The members still live; at init each holds a sandbox slot (a group's members theirs all at once)."""
+        if stage != "init":
+            return [r for r in members if not r.cancelled]
+        async with self._slot_order:
+            for rollout in members:
                 if rollout.cancelled:
                     continue
-                if stage == "init":
-                    await self._sandbox_slots.acquire()
-                    if rollout.cancelled:
-                        self._sandbox_slots.release()
-                        continue
-                    rollout.holds_sandbox_slot = True
-            finally:
-                self._held[stage] -= 1
-            rollout.trajectory.timing.queued += time.perf_counter() - rollout.enqueued_at
-            self._active[stage] += 1
-            rollout.current = asyncio.create_task(self._run_stage(stage, rollout))
-            try:
-                await asyncio.wait({rollout.current})
-            except asyncio.CancelledError:  # the pipeline is closing
-                rollout.current.cancel()
-                await asyncio.wait({rollout.current})
-                await self._finish(rollout, "cancelled", "the service stopped")
-                raise
-            finally:
-                self._active[stage] -= 1
-            try:
-                await self._after_stage(stage, rollout, rollout.current)
-            except Exception as e:  # a bug fails its rollout, never the worker (the next rollouts would wait forever)
-                _log.exception("rollout %s: handing it on after %s failed", rollout.trajectory.trajectory_id, stage)
-                await self._finish(rollout, stage, f"internal error after {stage}: {e!r}")
+                await self._sandbox_slots.acquire()
+                if rollout.cancelled:
+                    self._sandbox_slots.release()
+                    continue
+                rollout.holds_sandbox_slot = True
+        return [r for r in members if not r.cancelled]
+
+    async def _init_group(self, members: list[Rollout]) -> None:
+        """One init for `members`, forked into one sandbox each; each member's init stage waits for its own."""
+        group = ForkGroup(members[0].env, members[0].instance, members)
+        for rollout in members:
+            rollout.group = group
+        try:
+            await asyncio.gather(*(self._drive("init", rollout) for rollout in members))
+        finally:
+            self.group_stats.update(groups=1, inits=group.inits, forks=group.forks)
+
+    async def _drive(self, stage: Stage, rollout: Rollout) -> None:
+        """Run `stage` of `rollout` as its own task (what a cancel interrupts), then hand it on."""
+        if rollout.cancelled:  # a group member cancelled between taking its slot and now (already finished)
+            await self._leave_group(rollout)
+            return
+        rollout.trajectory.timing.queued += time.perf_counter() - rollout.enqueued_at
+        self._active[stage] += 1
+        rollout.current = asyncio.create_task(self._run_stage(stage, rollout))
+        try:
+            await asyncio.wait({rollout.current})
+        except asyncio.CancelledError:  # the pipeline is closing
+            rollout.current.cancel()
+            await asyncio.wait({rollout.current})
+            await self._leave_group(rollout)
+            await self._finish(rollout, "cancelled", "the service stopped")
+            raise
+        finally:
+            self._active[stage] -= 1
+        try:
+            await self._leave_group(rollout)
+            await self._after_stage(stage, rollout, rollout.current)
+        except Exception as e:  # a bug fails its rollout, never the worker (the next rollouts would wait forever)
+            _log.exception("rollout %s: handing it on after %s failed", rollout.trajectory.trajectory_id, stage)
+            await self._finish(rollout, stage, f"internal error after {stage}: {e!r}")
+
+    @staticmethod
+    async def _leave_group(rollout: Rollout) -> None:
+        """After its init stage, a group member waits for the group no more (nothing made for it is left unless it
+        took it); a later init (a re-run) is its own."""
+        group, rollout.group = rollout.group, None
+        if group is not None:
+            await group.detach(rollout)
 
     async def _run_stage(self, stage: Stage, rollout: Rollout) -> None:
         budget = self._budget(stage, rollout)
@@ -229,7 +303,12 @@ class RolloutPipeline:
             async with span, asyncio.timeout(budget) as timeout:
                 clock = StageClock(timeout)
                 current_stage_clock.set(clock)  # this stage's task only
-                if stage == "init":
+                if stage == "init" and rollout.group is not None:
+                    try:
+                        rollout.episode = await rollout.group.take(rollout)
+                    finally:  # its init is the group's: the shared init and the fork, under this stage
+                        graft(rollout.group.timed_spans(since=span.start), {"group_size": rollout.group.size})
+                elif stage == "init":
                     rollout.episode = await rollout.env.init(rollout.instance)
                 elif stage == "run":
                     assert rollout.episode is not None
