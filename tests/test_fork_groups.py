@@ -122,6 +122,21 @@ async def test_cancelling_one_member_in_the_group_init_leaves_the_others(task, t
     assert sandboxes_left() == [] and left_in(private_tmp) == []
 
 
+async def test_a_member_past_its_init_deadline_times_out_alone(task, tokenizer, private_tmp) -> None:
+    env = GatedInitEnvironment(task, "bwrap")
+    async with RolloutPipeline(forking()) as pipeline:
+        hasty = rollout(env, ScriptedModel(tokenizer, ["\\boxed{42}"]), stage_deadlines_s={"init": 0.5})
+        patient = rollout(env, ScriptedModel(tokenizer, ["\\boxed{42}"]))
+        pipeline.submit([hasty, patient], group=True)
+        timed_out = await asyncio.wait_for(hasty.done, 120)  # the gate stays shut past its deadline
+        assert not patient.done.done()
+        env.gate.set()
+        finished = await asyncio.wait_for(patient.done, 120)
+    assert timed_out.critical_error == "timeout" and "the init stage ran past its deadline of 0.5 s" in timed_out.error
+    assert (finished.critical_error, finished.reward) == (None, 1.0)
+    assert sandboxes_left() == [] and left_in(private_tmp) == []
+
+
 async def test_cancelling_every_member_in_the_group_init_closes_its_sandbox(task, tokenizer, private_tmp) -> None:
     env = GatedInitEnvironment(task, "bwrap")
     async with RolloutPipeline(forking()) as pipeline:
