@@ -2,19 +2,24 @@
 machine by Ray's own `cluster_utils.Cluster`, each with its own raylet and resources. Rollouts run in real
 bubblewrap sandboxes under the nodes' worker actors, against the stand-in model (a real process, scripted).
 
-One cluster and one Ray-path service for the module; the node-loss test runs last (it kills a node and adds one).
+One cluster and one Ray-path service for the module; the wedged-worker test and the node-loss test run last (one
+stops a worker's process, the other kills a node and adds one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import glob
+import logging
 import os
+import signal
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 import pytest_asyncio
@@ -30,6 +35,7 @@ from nemo_gym_prorl.sandbox.bwrap import TEMP_PREFIX
 from nemo_gym_prorl.service import tracing
 from nemo_gym_prorl.service.client import RolloutClient
 from nemo_gym_prorl.service.orchestrator import Deadlines, JobRequest
+from nemo_gym_prorl.service.pipeline import Rollout
 from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
 from nemo_gym_prorl.service.serve import RunningService, run_service
 from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory
@@ -39,6 +45,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]
 ROW = {"id": "q1", "question": "Calculate 6 * 7.", "answer": "42"}
 LATENCY_S = 1.5  # each model turn: long enough to act while rollouts are live, short enough to keep the module quick
+UNRESPONSIVE_S = 10  # the head gives up on a worker that has not answered its ping for this long
 NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}
 
 
@@ -69,7 +76,9 @@ def config(model_url: str, store: Path, ray: RaySettings) -> ServiceConfig:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def svc(cluster: Cluster, model: str) -> AsyncIterator[RunningService]:
     with tempfile.TemporaryDirectory(prefix="prorl-ray-test-") as tmp:
-        ray = RaySettings(address=cluster.address, node_poll_s=0.5)
+        ray = RaySettings(
+            address=cluster.address, node_poll_s=0.5, worker_ping_interval_s=0.5, worker_unresponsive_s=UNRESPONSIVE_S
+        )
         async with run_service(config(model, Path(tmp) / "ray.db", ray)) as running:
             yield running
 
@@ -94,6 +103,15 @@ def sandboxes_by_node(svc: RunningService) -> dict[str, list[psutil.Process]]:
     for worker in fleet(svc).ready_workers():
         found.setdefault(worker.node_id, []).extend(sandboxes_under(worker.info["pid"]))
     return found
+
+
+def rollouts_of(svc: RunningService, job_id: str) -> list[Rollout]:
+    return svc.orchestrator._live[job_id].rollouts
+
+
+def sandbox_dirs_of(pid: int) -> list[str]:
+    """The temp dirs of the bwrap sandboxes process `pid` owns."""
+    return [d for d in glob.glob(os.path.join(tempfile.gettempdir(), TEMP_PREFIX + "*")) if _owner(d) == pid]
 
 
 def tokens(trajectory: Trajectory) -> list[dict]:
@@ -166,18 +184,44 @@ def check_worker_spans(trajectory: Trajectory, spans: list[ReadableSpan], model_
             assert theirs.parent.span_id == otel_run.context.span_id
 
 
-async def test_cancel_and_deadlines_reach_rollouts_on_worker_nodes(svc: RunningService) -> None:
-    async with RolloutClient(svc.url) as client:
+async def test_cancel_and_deadlines_reach_rollouts_on_worker_nodes(svc: RunningService, model: str) -> None:
+    stats = model.removesuffix("/v1") + "/control/stats"
+    async with RolloutClient(svc.url) as client, httpx.AsyncClient(trust_env=False) as http:
+        before = (await http.get(stats)).json()["requests"]
         timed = await client.submit(JobRequest(instance=ROW, deadlines=Deadlines(run_s=1.0)))
         cancelled = await client.submit(JobRequest(instance=ROW, n=2))
-        await wait_until(lambda: sum(map(len, sandboxes_by_node(svc).values())) >= 3, timeout=120)
+        async with asyncio.timeout(120):  # each rollout's first model request is out (the timed one makes one only)
+            while (await http.get(stats)).json()["requests"] - before < 3:
+                await asyncio.sleep(0.05)
         view = await client.cancel(cancelled)
         assert view.state == "cancelled" and {t.critical_error for t in view.results} == {"cancelled"}
         [trajectory] = (await client.wait(timed)).results
     assert trajectory.critical_error == "timeout", trajectory.error
     assert "run stage ran past its deadline of 1 s" in trajectory.error
     assert trajectory.messages[:2] and trajectory.timing.run < LATENCY_S + 5
+    for cut_short in (*view.results, trajectory):
+        check_cut_short_run_spans(cut_short)
     await wait_until(lambda: not any(sandboxes_by_node(svc).values()), timeout=30)
+
+
+def check_cut_short_run_spans(trajectory: Trajectory) -> None:
+    """A run cancelled (or timed out) on its worker keeps the model requests and tool calls it made until then, as
+    an in-process one does: inside its run stage, with its sandbox, one finished model span per assistant turn kept
+    (the interrupted request is the one that says an error)."""
+    recorded = trajectory.timing.spans
+    names = [s.name for s in recorded]
+    assert names[0] == "init" and names[-1] == "run" and set(names[1:-1]) <= {"model", "tool"}, names
+    run = recorded[-1]
+    assert run.attributes["sandbox_backend"] == "bwrap" and run.attributes["sandbox_id"]
+    calls = recorded[1:-1]
+    models = [s for s in calls if s.name == "model"]
+    assert models and models[0].attributes["turn"] == 0, names
+    for call in calls:
+        assert run.start_s <= call.start_s and call.start_s + call.duration_s <= run.start_s + run.duration_s
+    answered = [m for m in models if "error" not in m.attributes]
+    assert [m.attributes["generated_tokens"] for m in answered] == [
+        len(t["generation_token_ids"]) for t in trajectory.assistant_turns()
+    ]
 
 
 async def test_a_weight_sync_reaches_every_worker_and_holds_their_deadlines(svc: RunningService) -> None:
@@ -193,6 +237,52 @@ async def test_a_weight_sync_reaches_every_worker_and_holds_their_deadlines(svc:
         results = [t for job in jobs for t in (await client.wait(job)).results]
     assert [t.critical_error for t in results] == [None, None], [t.error for t in results]
     assert all(t.timing.queued >= sync_s and t.timing.run < run_s for t in results), [t.timing for t in results]
+
+
+async def test_a_wedged_worker_is_killed_its_rollouts_run_again_and_a_new_one_takes_its_place(
+    svc: RunningService, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker whose process is stopped (SIGSTOP) is alive for Ray. The head's pings find it silent: it is killed
+    and counted lost, its rollouts run again on the other node, a rollout cancelled while waiting on it ends (here
+    its run deadline passes on the head meanwhile: the cancel's close to the worker, shielded, is cancelled again
+    before the worker's loss fails it), its sandboxes and their leftovers go, and a new worker takes its node. No
+    task's exception goes unretrieved (asyncio would log "Task exception was never retrieved")."""
+    async with RolloutClient(svc.url) as client:
+        jobs = [await client.submit(JobRequest(instance=ROW, n=2, job_id=f"wedged-{i}")) for i in range(2)]
+        doomed = await client.submit(JobRequest(instance=ROW, job_id="wedged-cancel", deadlines=Deadlines(run_s=6)))
+        [cancelled] = rollouts_of(svc, doomed)
+        await wait_until(lambda: cancelled.outcome is not None, timeout=120)  # its run call is out to its worker
+        victim = cancelled.env.worker
+        pid, node = victim.info["pid"], victim.node_id
+        moved = [r.trajectory.trajectory_id for job in jobs for r in rollouts_of(svc, job) if r.env.worker is victim]
+        assert moved, "the test needs rollouts of the other jobs on the stopped worker"
+        sandboxes, dirs = sandboxes_under(pid), sandbox_dirs_of(pid)
+        assert sandboxes and dirs
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            view = await client.cancel(doomed)  # its close waits on the stopped worker until that is killed
+            views = [await client.wait(job) for job in jobs]
+            await wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the test failed before the head killed it: resume it
+                os.kill(pid, signal.SIGCONT)
+    assert view.state == "cancelled" and [t.critical_error for t in view.results] == ["cancelled"]
+    results = [t for v in views for t in v.results]
+    assert [t.critical_error for t in results] == [None] * 4, [t.error for t in results]
+    assert sorted(t.trajectory_id for t in results) == ["wedged-0:0", "wedged-0:1", "wedged-1:0", "wedged-1:1"]
+    for job in jobs:
+        assert svc.orchestrator.store.result_samples(job) == {0, 1}
+    reruns = [r.getMessage() for r in caplog.records if "running it again" in r.getMessage()]
+    for trajectory_id in moved:  # each said why: the worker, its node, how long it was silent
+        [said] = [m for m in reruns if m.startswith(f"rollout {trajectory_id}:")]
+        assert f"worker {victim.name} on node {node[:12]}" in said and f"unresponsive for {UNRESPONSIVE_S} s" in said
+    await wait_until(lambda: not alive(sandboxes), timeout=30)  # they died with their worker
+    await wait_until(lambda: not any(os.path.exists(d) for d in dirs), timeout=120)  # swept on its node once it died
+    await wait_until(lambda: any(w.node_id == node for w in fleet(svc).ready_workers()), timeout=180)  # its successor
+    assert victim not in fleet(svc).workers and fleet(svc).status()["lost_workers"] >= 1
+    gc.collect()  # an unretrieved task exception is logged when the task is collected
+    unretrieved = [r for r in caplog.records if r.levelno >= logging.ERROR and "never retrieved" in r.getMessage()]
+    assert not unretrieved, [r.getMessage() for r in unretrieved]
 
 
 async def test_a_worker_node_killed_mid_job_loses_no_result_leaves_no_sandbox_and_comes_back(
@@ -227,9 +317,13 @@ async def test_a_worker_node_killed_mid_job_loses_no_result_leaves_no_sandbox_an
     assert not [d for d in left if _owner_dead(d)], left
 
 
-def _owner_dead(root: str) -> bool:
+def _owner(root: str) -> int | None:
     try:
-        pid = int(Path(root, ".owner").read_text().split()[0])
+        return int(Path(root, ".owner").read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return False
-    return not psutil.pid_exists(pid)
+        return None
+
+
+def _owner_dead(root: str) -> bool:
+    pid = _owner(root)
+    return pid is not None and not psutil.pid_exists(pid)

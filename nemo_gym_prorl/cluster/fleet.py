@@ -6,6 +6,13 @@ none), pinned to it. A rollout goes to the node with the most free sandbox slots
 job (a GRPO group) follow the first to its node while any of them is live there. A worker that dies, or whose node
 goes, is dropped at once; the head looks for nodes every ``node_poll_s`` and starts workers on those that lack them,
 so a node that comes back is used again (its new workers sweep the sandboxes the dead ones left).
+
+Ray sees a worker whose process is stopped or whose event loop is stuck (a blocking call, a livelock) as alive, and
+its rollouts would wait for it forever. So the head pings each worker every ``worker_ping_interval_s`` (one tiny
+call on the worker's event loop, however many rollouts it runs); one that has not answered within
+``worker_unresponsive_s`` is killed (``ray.kill``: its calls fail at once, Ray kills the process a few seconds
+later, its sandboxes die with it) and counted lost like a dead one, and a worker on its node sweeps what its
+sandboxes left once its process is gone.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Any
 
 import ray
 from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from nemo_gym_prorl.cluster.fleet_pool import FleetPool
@@ -43,6 +51,8 @@ class WorkerRef:
     live: int = 0  # rollouts placed here holding a sandbox
     ready: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    lost_reason: str | None = None  # why the head gave up on it, for the rollouts it held
+    watch: asyncio.Task[None] | None = None  # its liveness pings, while it is ready
 
 
 class NoWorkers(RuntimeError):
@@ -61,6 +71,8 @@ class WorkerFleet:
         self._refreshing = asyncio.Lock()
         self._started_ray = False
         self._poll: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()  # liveness pings and sweeps after a kill
+        self._unswept: dict[str, list[int]] = {}  # node -> pids of workers killed as unresponsive, not swept yet
         self._serial = 0
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
@@ -93,10 +105,10 @@ class WorkerFleet:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self._poll is not None:
-            self._poll.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poll
+        tasks = [*self._background, *([self._poll] if self._poll is not None else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         workers, self.workers = self.workers, []
         with contextlib.suppress(Exception):
             async with asyncio.timeout(60):
@@ -154,21 +166,68 @@ class WorkerFleet:
             return
         worker.ready = True
         _log.info("rollout worker %s up on node %s (%s)", worker.name, worker.node_id, worker.info)
+        worker.watch = self._spawn(self._watch(worker), f"ray-ping-{worker.name}")
+        if pids := self._unswept.pop(worker.node_id, None):
+            self._spawn(self._sweep_after(worker, pids), f"ray-sweep-{worker.name}")
         self._notify()
 
     def _drop(self, worker: WorkerRef) -> None:
         if worker in self.workers:
             self.workers.remove(worker)
+            if worker.watch is not None and worker.watch is not asyncio.current_task():
+                worker.watch.cancel()
             with contextlib.suppress(Exception):
                 ray.kill(worker.actor)
             self._notify()
 
-    def lost(self, worker: WorkerRef, error: BaseException) -> None:
-        """A call found `worker` dead: route nothing more to it (the poll starts its replacement)."""
+    def lost(self, worker: WorkerRef, error: BaseException | str) -> None:
+        """`worker` is dead, or the head gave up on it: route nothing more to it, kill it (its calls in flight fail
+        with Ray's actor error, which ends or re-runs their rollouts); the poll starts its replacement."""
         if worker in self.workers:
             self.lost_workers += 1
-            _log.warning("rollout worker %s on node %s lost: %s", worker.name, worker.node_id, error)
+            worker.lost_reason = worker.lost_reason or (error if isinstance(error, str) else type(error).__name__)
+            pid = worker.info.get("pid")
+            _log.warning("rollout worker %s (pid %s) on node %s lost: %s", worker.name, pid, worker.node_id, error)
             self._drop(worker)
+
+    async def _watch(self, worker: WorkerRef) -> None:
+        """Ping `worker` every ``worker_ping_interval_s``; after ``worker_unresponsive_s`` without an answer it is
+        lost (killed): Ray would call a stopped or wedged worker alive for as long as its process exists."""
+        s = self.settings
+        while worker in self.workers:
+            await asyncio.sleep(s.worker_ping_interval_s)  # a period, not a synchronisation
+            try:
+                async with asyncio.timeout(s.worker_unresponsive_s):
+                    await worker.actor.ping.remote()
+            except TimeoutError:
+                self._kill_unresponsive(worker)
+            except RayActorError as e:  # died between two calls: nothing else would notice before a rollout
+                self.lost(worker, e)
+
+    def _kill_unresponsive(self, worker: WorkerRef) -> None:
+        if worker not in self.workers:  # lost meanwhile by other means
+            return
+        self.lost(worker, f"unresponsive for {self.settings.worker_unresponsive_s:g} s (no answer to a ping)")
+        node = worker.node_id
+        self._unswept.setdefault(node, []).append(worker.info["pid"])
+        sweeper = next((w for w in self.ready_workers() if w.node_id == node), None)
+        if sweeper is not None:  # else the node's next worker, once ready
+            self._spawn(self._sweep_after(sweeper, self._unswept.pop(node)), f"ray-sweep-{sweeper.name}")
+
+    async def _sweep_after(self, worker: WorkerRef, pids: list[int]) -> None:
+        """Have `worker` sweep the sandbox leftovers of the killed workers `pids` of its node once they are gone."""
+        try:
+            swept = await worker.actor.sweep_after.remote(pids)
+        except Exception as e:  # that worker went too: the node's next one sweeps at its start
+            _log.warning("rollout worker %s could not sweep after killed workers %s: %s", worker.name, pids, e)
+        else:
+            _log.info("rollout worker %s swept %d sandbox(es) of killed workers %s", worker.name, len(swept), pids)
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def _poll_nodes(self) -> None:
         while True:

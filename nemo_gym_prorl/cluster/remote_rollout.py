@@ -4,11 +4,15 @@ The pipeline calls ``env.init`` / ``agent.run`` / ``env.collect`` / ``env.close`
 in-process; here each call goes to the rollout's worker (placed by the fleet at init) and waits for it:
 
 - cancelled (a job cancel, the service stopping, the init or eval deadline): the worker is told to stop the rollout
-  and close its sandbox; a cancelled run brings back the turns it got to, as in-process.
+  and close its sandbox; a cancelled run brings back the turns it got to and its model and tool spans, as
+  in-process. That close is awaited shielded, and its outcome retrieved even when the wait is cancelled again (the
+  service stopping meanwhile) and the worker is lost after: no "Task exception was never retrieved".
 - the run stage's deadline is kept by the worker (it can hold it still during a weight sync, as the in-process pool
   does); the head's clock stands still meanwhile and counts only what the worker says was held.
-- the worker or its node lost: ``RolloutLost``, which the pipeline runs again from init (elsewhere) until the rollout
-  has been lost more than ``ray.max_reruns`` times, then ends it with the stage's critical_error and the reason.
+- the worker or its node lost (dead, or killed by the fleet as unresponsive): ``RolloutLost``, which the pipeline
+  runs again from init (elsewhere) until the rollout has been lost more than ``ray.max_reruns`` times, then ends it
+  with the stage's critical_error and the reason (the worker, its node, why it was lost). Such a rollout keeps only
+  what the head has: its first prompt; the turns it got to were on the lost worker.
 """
 
 from __future__ import annotations
@@ -34,8 +38,18 @@ if TYPE_CHECKING:
     from nemo_gym_prorl.cluster.worker import RunReport
 
 
-async def _result(ref: Any) -> Any:
-    return await ref
+def _shielded(ref: Any) -> asyncio.Future[Any]:
+    """`ref` awaited so that cancelling the waiter leaves the call be. asyncio.shield forgets its inner task when the
+    waiter is cancelled first, so an error the call ends with later (its worker lost) would be logged as "Task
+    exception was never retrieved": here it is retrieved whoever waits."""
+    inner = asyncio.ensure_future(ref)
+    inner.add_done_callback(_retrieve)
+    return asyncio.shield(inner)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class RemoteEnvironment(Environment):
@@ -49,6 +63,7 @@ class RemoteEnvironment(Environment):
         self.worker: WorkerRef | None = None  # holding a sandbox slot there, from init to close
         self.last_worker: WorkerRef | None = None
         self.report: RunReport | None = None
+        self.closing: Any = None  # the close a cancelled call sent (a Ray ObjectRef): the run's outcome so far
         self.losses = 0
 
     def prompt_messages(self, instance: TaskInstance) -> list[dict[str, Any]]:
@@ -58,7 +73,7 @@ class RemoteEnvironment(Environment):
         return self._local.tool_schemas(instance)
 
     async def init(self, instance: TaskInstance) -> Episode:
-        self.report = None
+        self.report = self.closing = None
         self.worker = await self.fleet.place(self.group)
         try:
             await self.call(self.worker, "init", self.task.name, instance)
@@ -102,7 +117,7 @@ class RemoteEnvironment(Environment):
             return await ref
         except asyncio.CancelledError:
             if method != "close":  # the head gave up on it: the worker stops it and closes its sandbox
-                worker.actor.close.remote(self.key)
+                self.closing = worker.actor.close.remote(self.key)
             raise
         except RayTaskError as e:  # the environment's own error, as in-process
             if isinstance(e.cause, BaseException) and not isinstance(e.cause, asyncio.CancelledError):
@@ -115,8 +130,9 @@ class RemoteEnvironment(Environment):
             self.losses += 1
             rerun = self.losses <= self.fleet.settings.max_reruns
             where = f"worker {worker.name} on node {worker.node_id[:12]}"
+            why = worker.lost_reason or type(e).__name__
             raise RolloutLost(
-                f"its {where} was lost during {method} ({type(e).__name__}; lost {self.losses} time(s), "
+                f"its {where} was lost during {method} ({why}; lost {self.losses} time(s), "
                 f"re-runs allowed: {self.fleet.settings.max_reruns})",
                 rerun=rerun,
             ) from None
@@ -146,9 +162,11 @@ class RemoteAgentLoop(AgentLoop):
                     remote.worker, "run", remote.task.name, self.trajectory_id, self.sampling, budget
                 )
         except asyncio.CancelledError:
+            closing = remote.closing or remote.worker.actor.close.remote(remote.key)
             with contextlib.suppress(Exception):  # what the run got to, as a cancelled in-process run keeps it
-                partial = await asyncio.shield(_result(remote.worker.actor.close.remote(remote.key)))
+                partial = await _shielded(closing)
                 if partial is not None:
+                    graft(partial.spans, partial.run_attributes)
                     _apply(partial, outcome)
             raise
         finally:

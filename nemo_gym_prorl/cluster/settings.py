@@ -18,6 +18,13 @@ class RaySettings(BaseModel):
     max_reruns: int = Field(1, ge=0, description="times a rollout whose worker was lost is run again elsewhere")
     keep_group_on_node: bool = Field(True, description="the samples of a job (a GRPO group) on one node")
     node_poll_s: float = Field(2.0, gt=0, description="how often the head looks for nodes that came or went")
+    worker_ping_interval_s: float = Field(
+        5.0, gt=0, description="how often the head pings each worker (one tiny actor call, whatever its rollouts)"
+    )
+    worker_unresponsive_s: float = Field(
+        30.0, gt=0, description="a worker that has not answered a ping for this long is killed and counted lost "
+        "(a wedged event loop, a stopped process): its rollouts run again elsewhere",
+    )  # fmt: skip
     worker_max_concurrency: int = Field(10_000, ge=1, description="calls one worker actor runs at once")
     object_store_mb: int = Field(256, ge=80, description="a local cluster's object store (rollouts pass little)")
     namespace: str = "prorl"

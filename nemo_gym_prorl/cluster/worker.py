@@ -8,7 +8,9 @@ so a turn never goes through the head.
 The run stage keeps its own deadline here (the time the head had left for it), on a stage clock, so a weight sync
 that holds this worker's requests holds the deadline as it would in-process; the report says how long it was held.
 ``close(key)`` (or ``abort(key)``) interrupts whatever the rollout is doing and closes its sandbox: that is how the
-head's cancel and deadlines reach it. A worker that starts sweeps what dead sandbox owners left on its node.
+head's cancel and deadlines reach it; a run closed that way reports the turns and spans it got to. A worker that
+starts sweeps what dead sandbox owners left on its node; `sweep_after` sweeps again once workers the head killed
+are gone. The head pings it (`ping`) to tell a wedged worker from a busy one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +98,7 @@ class _Held:
     task: str | None = None
     episode: Episode | None = None
     outcome: AgentOutcome | None = None
+    recorded: DetachedRun | None = None  # the run's spans so far
     busy: asyncio.Task[Any] | None = None
     closed: bool = False
 
@@ -146,7 +150,7 @@ class RolloutWorker:
     async def run(
         self, key: str, task: str, trajectory_id: str, sampling: SamplingParams, budget_s: float | None
     ) -> RunReport:
-        recorded = DetachedRun()
+        recorded = self._rollouts[key].recorded = DetachedRun()
         with recorded.recording():
             report = await self._run(key, task, trajectory_id, sampling, budget_s)
         return report.model_copy(update={"spans": recorded.spans, "run_attributes": recorded.attributes})
@@ -205,7 +209,10 @@ class RolloutWorker:
         episode, held.episode = held.episode, None
         if episode is not None and held.task is not None:
             await self.envs[held.task].close(episode)
-        return RunReport.of(held.outcome) if held.outcome is not None else None
+        if held.outcome is None:
+            return None
+        recorded = held.recorded or DetachedRun()  # its recording ended with the interrupted run
+        return RunReport.of(held.outcome, spans=recorded.spans, run_attributes=recorded.attributes)
 
     @contextlib.asynccontextmanager
     async def _busy(self, held: _Held):  # type: ignore[no-untyped-def]
@@ -248,6 +255,18 @@ class RolloutWorker:
 
     def live(self) -> int:
         return sum(1 for held in self._rollouts.values() if held.episode is not None)
+
+    async def ping(self) -> None:
+        """Answered by this worker's event loop: the head's sign that it is not wedged."""
+
+    async def sweep_after(self, pids: list[int], within_s: float = 120.0) -> list[str]:
+        """Once the processes `pids` on this node (workers the head killed) are gone, sweep what their sandboxes
+        left (the sweep touches only dead owners' sandboxes: Ray kills a stopped process some seconds after
+        ``ray.kill``). Gives up waiting after `within_s` and sweeps what is dead by then."""
+        deadline = time.monotonic() + within_s
+        while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)  # nothing to wait on for another process's exit but looking
+        return await asyncio.to_thread(sweep_orphans)
 
     async def shutdown(self) -> None:
         """Close every sandbox this worker holds (the head is going away)."""
