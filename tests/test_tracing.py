@@ -4,6 +4,8 @@ over OTLP/HTTP to a collector."""
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
@@ -18,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pydantic import ValidationError
 from standin_helpers import running_standin
 
-from nemo_gym_prorl.service import tracing
+from nemo_gym_prorl.service import otlp_export, tracing
 from nemo_gym_prorl.service.client import RolloutClient
 from nemo_gym_prorl.service.orchestrator import JobRequest
 from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceRuntime, ServiceSettings
@@ -157,11 +159,20 @@ def collector() -> Iterator[tuple[str, list[tuple[str, ExportTraceServiceRequest
         thread.join()
 
 
-async def test_a_configured_otlp_endpoint_receives_the_rollouts_traces(standin_model: str, collector) -> None:
+def exporting_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the export and OpenTelemetry's exporter logged."""
+    return [r.getMessage() for r in caplog.records if r.name.startswith(("opentelemetry", otlp_export.__name__))]
+
+
+async def test_a_configured_otlp_endpoint_receives_the_rollouts_traces(
+    standin_model: str, collector, caplog: pytest.LogCaptureFixture
+) -> None:
     url, received = collector
     tracing_config = TracingConfig(otlp_endpoint=url, service_name="prorl-test")
+    caplog.set_level(logging.INFO)
     async with in_process_service(standin_model, tracing=tracing_config) as client:
         (trajectory,) = await rollouts(client, 1)
+    assert exporting_lines(caplog) == []  # nothing dropped
     # The service's stop flushed the batch: every span arrived at OTLP's traces path, under the service's name.
     assert received and all(path == "/v1/traces" for path, _ in received)
     names, services = [], set()
@@ -173,6 +184,38 @@ async def test_a_configured_otlp_endpoint_receives_the_rollouts_traces(standin_m
     assert services == {"prorl-test"}
     assert sorted(names) == sorted(["rollout", *[s.name for s in trajectory.timing.spans]])
     assert tracing._tracer is None  # off again once the service stopped
+
+
+@pytest.fixture(params=["silent", "refusing"])
+def down_collector(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A collector that is down: a socket that accepts connections and never answers, or one bound without
+    listening (connections are refused); the port stays ours either way."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    if request.param == "silent":
+        sock.listen(64)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_collector_that_is_down_holds_the_stop_only_for_its_bound_and_the_loss_is_said_once(
+    standin_model: str, down_collector: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # OpenTelemetry's exporter alone would wait on this collector for an hour per batch; the stop waits 1 s.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "3600")
+    tracing_config = TracingConfig(otlp_endpoint=down_collector, shutdown_timeout_s=1)
+    caplog.set_level(logging.INFO)
+    async with in_process_service(standin_model, tracing=tracing_config) as client:
+        (trajectory,) = await rollouts(client, 1)
+        caplog.clear()
+    (line,) = exporting_lines(caplog)  # the exporter's own retry lines are held back
+    spans = 1 + len(trajectory.timing.spans)  # the rollout and its stages and calls
+    assert line.startswith(f"tracing: {spans} of {spans} spans dropped: the OTLP collector at {down_collector}")
+    assert "within tracing.shutdown_timeout_s=1s of the stop" in line
+    assert tracing._tracer is None
 
 
 def test_tracing_config_names_a_bad_endpoint_and_completes_a_bare_one() -> None:

@@ -87,7 +87,7 @@ class ServiceRuntime:
         config = self.config
         tasks = [load_task(name) for name in config.service.tasks]
         try:
-            self._stack.enter_context(exporting(config.service.tracing))  # left last: flushes what the others traced
+            await self._stack.enter_async_context(exporting(config.service.tracing))  # left last: flushes the others' spans
             pool_type = LLMPool
             if config.ray.enabled:  # rollouts on Ray workers, each with a pool of its own that this one drives
                 from nemo_gym_prorl.cluster.fleet_pool import FleetPool

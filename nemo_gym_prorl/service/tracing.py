@@ -21,7 +21,7 @@ import os
 import socket
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextvars import ContextVar, Token
 from types import TracebackType
 from typing import Any
@@ -43,6 +43,10 @@ class TracingConfig(BaseModel):
     )
     service_name: str = Field("prorl", description="the traces' service.name")
     headers: dict[str, str] = Field(default_factory=dict, description="sent with every export (a collector's key)")
+    shutdown_timeout_s: float = Field(
+        5.0, gt=0, description="on stop, how long spans still buffered may take to reach the collector; what it has "
+        "not taken by then is dropped, and one log line says how many",
+    )  # fmt: skip
 
     @field_validator("otlp_endpoint")
     @classmethod
@@ -76,26 +80,23 @@ def traced_by(provider: Any) -> Iterator[None]:
         _tracer = saved
 
 
-@contextlib.contextmanager
-def exporting(config: TracingConfig) -> Iterator[None]:
+@contextlib.asynccontextmanager
+async def exporting(config: TracingConfig) -> AsyncIterator[None]:
     """Export rollouts' traces over OTLP/HTTP while the block runs, when `config` names a collector; on the way out
-    what is still buffered is sent (bounded by the exporter's timeout). Without an endpoint: nothing at all."""
+    what is still buffered is sent, off the event loop and for at most ``shutdown_timeout_s`` (``otlp_export``).
+    Without an endpoint: nothing at all."""
     url = config.traces_url()
     if url is None:
         yield
         return
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from nemo_gym_prorl.service.otlp_export import OtlpExport
 
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: config.service_name}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url, headers=config.headers or None)))
+    export = OtlpExport(url, config.service_name, config.headers, config.shutdown_timeout_s)
     try:
-        with traced_by(provider):
+        with traced_by(export.provider):
             yield
     finally:
-        provider.shutdown()
+        await export.stop()
 
 
 # One clock for the whole process: perf_counter for durations, mapped once onto the epoch for OpenTelemetry, so a
