@@ -127,8 +127,8 @@ async def test_a_service_that_exits_leaves_no_disk_mount_or_loop_device(root: Pa
     service = run_service(root, "exit")
     stdout, _ = await asyncio.to_thread(service.communicate, timeout=60)
     assert service.returncode == 0 and stdout == b"ready\n"
-    await wait_until(lambda: len(loop_devices_under(root)) == 1)
-    assert len(mounts_under(root)) == 1
+    await wait_until(lambda: not loop_devices_under(root))  # the sandbox's disk was only mounted inside it
+    assert mounts_under(root) == []
     assert len(sweep_orphans(str(root))) == 1
     await assert_nothing_left(root)
 
@@ -139,11 +139,31 @@ async def test_a_killed_service_leaves_nothing_after_the_orphan_sweep(root: Path
         assert service.stdout is not None
         assert (await asyncio.to_thread(service.stdout.readline)) == b"ready\n"
         assert len(loop_devices_under(root)) == 3  # the running sandbox's disk and two spares
-        assert len(mounts_under(root)) == 1  # the spares are detached: mounted nowhere
+        await wait_until(lambda: mounts_under(root) == [])  # spares are detached, the sandbox's only bound inside
     finally:
         service.send_signal(signal.SIGKILL)
         service.wait()
-    await wait_until(lambda: len(loop_devices_under(root)) == 1)  # the spares went with the process
-    assert len(mounts_under(root)) == 1
-    assert len(sweep_orphans(str(root))) == 1  # the sandbox's temp dir, its disk unmounted first
+    await wait_until(lambda: not loop_devices_under(root))  # the spares went with the process, the disk with bwrap
+    assert mounts_under(root) == []
+    assert len(sweep_orphans(str(root))) == 1  # the sandbox's temp dir
     await assert_nothing_left(root)
+
+
+async def test_a_running_sandbox_keeps_its_disk_out_of_the_hosts_mount_table(spares: DiskSpares, root: Path) -> None:
+    """Every new mount namespace copies the host's mounts: a disk stays attached only while its sandbox's bwrap
+    starts (also a new shell's) or hands the workspace to forks, and host-side file I/O reaches it all the same."""
+    async with BwrapSandbox(SandboxSpec(limits=LIMITS)) as sandbox:
+        await wait_until(lambda: mounts_under(root) == [])
+        await sandbox.write_file("a/b/c.txt", b"hello")
+        restarted = await sandbox.run("cat /workspace/a/b/c.txt; exit", 10)
+        assert restarted.output.startswith("hello"), restarted.output
+        assert (await sandbox.run("cat a/b/c.txt; echo x >> a/b/c.txt", 10)).output.startswith("hello")
+        await wait_until(lambda: mounts_under(root) == [])  # attached for the new shell's bwrap, detached again
+        assert await sandbox.read_file("/workspace/a/b/c.txt") == b"hellox\n"
+        forks = await sandbox.fork(2, close=True)
+    try:
+        for fork in forks:
+            assert (await fork.run("cat a/b/c.txt", 10)).output == "hellox\n"
+    finally:
+        for fork in forks:
+            await fork.close()

@@ -78,8 +78,8 @@ async def test_forks_share_one_snapshot_and_store_only_their_changes(parent: Bwr
         assert len(snapshots) == 1 and (snapshots[0] / "tree/big.bin").stat().st_size == 20_000_000
         await forks[0].run("echo small > note.txt", 5)
         for fork in forks:
-            assert fork.temp_dir is not None and fork.workspace is None
-            upper = sorted(p.name for p in (fork.temp_dir / "disk/upper").iterdir())
+            assert fork.writable_dir is not None and fork.workspace is None
+            upper = sorted(p.name for p in (fork.writable_dir / "upper").iterdir())
             assert upper == (["note.txt"] if fork is forks[0] else [])  # big.bin is read from the snapshot
         sums = {(await fork.run("md5sum big.bin", 20)).output for fork in forks}
         assert sums == {(await parent.run("md5sum big.bin", 20)).output}

@@ -23,7 +23,8 @@ Limits (`limits.py`). rlimits for address space, CPU time, file size, open files
 namespace makes RLIMIT_NPROC count this sandbox alone — and, where cgroup v1 is writable (root here), a `pids` and a
 `memory` cgroup per sandbox, made at start and removed at close. Output is capped per command by the shell. As root,
 what the sandbox writes (its workspace, a fork's overlay layers, /tmp) lives on a filesystem of `limits.disk_mb` of
-its own (`disk.py`), mounted at `disk/` in the temp dir: full is ENOSPC inside, nothing more.
+its own (`disk.py`), mounted at `disk/` in the temp dir while a bwrap starts and reached through its fd otherwise
+(`SandboxDisk.root`): full is ENOSPC inside, nothing more.
 
 Teardown. The shell is the pid namespace's init (`--as-pid-1`): killing it kills everything inside; `close()`
 then kills whatever is left in the cgroup and removes it, and removes the sandbox's one temp dir (`prorl-sbx-*`).
@@ -42,7 +43,7 @@ lower layer and an upper dir of their own, mounted inside their outer user names
 `--overlay`; rootless overlayfs needs Linux >= 5.11). A fork's writes land in its own upper dir, so neither the
 parent nor its siblings see them, and the snapshot, not the parent's workspace, is what forks read: the parent may
 go on or close. `fork(n, close=True)`, for a GRPO group whose init sandbox has no further use, closes the parent
-first and moves its workspace into the snapshot instead of copying it: one rename (or, for a disk, one bind mount),
+first and moves its workspace into the snapshot instead of copying it: one rename (or, for a disk, one mount of it),
 where a copy costs a file creation per file. The snapshot is removed with the last fork that uses it. A fork's files
 are only visible inside its own mount namespace, so its `read_file`/`write_file` go through the same helper as
 `exec()`.
@@ -54,6 +55,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -89,6 +91,8 @@ from nemo_gym_prorl.sandbox.limits import (
 from nemo_gym_prorl.sandbox.pty_shell import DEFAULT_MAX_DRAINED_BYTES, PtyShell, ShellLauncher, _poll_until
 from nemo_gym_prorl.sandbox.seccomp import bpf_program
 from nemo_gym_prorl.sandbox.workspace import HostWorkspace, lexical_relative, remove_tree, too_large_message
+
+log = logging.getLogger(__name__)
 
 CONTROL_DIR = "/.prorl"
 TEMP_PREFIX = CGROUP_PREFIX  # host temp dirs and cgroups share the name "prorl-sbx-*"
@@ -148,7 +152,17 @@ class BwrapSandbox(SandboxLifecycle):
     def workspace(self) -> Path | None:
         """Host directory mounted at `spec.workspace`. None before start, and for a fork, whose workspace is an overlay
         that only its own mount namespace sees."""
-        return self._root / "disk/workspace" if self._root is not None and self._snapshot is None else None
+        writable = self.writable_dir
+        return writable / "workspace" if writable is not None and self._snapshot is None else None
+
+    @property
+    def writable_dir(self) -> Path | None:
+        """Host path of what the sandbox writes: its workspace (`workspace`), or a fork's overlay layers (`upper`,
+        `work`), and with a disk of its own its /tmp (`tmp`). A disk's is a path through this process's fd of it
+        (`SandboxDisk.root`). None before start."""
+        if self._root is None:
+            return None
+        return self._disk.root if self._disk is not None else self._root / "disk"
 
     @property
     def pid(self) -> int | None:
@@ -180,7 +194,7 @@ class BwrapSandbox(SandboxLifecycle):
             if self._cgroup is not None:
                 _write_owner(self._root, list(self._cgroup.dirs.values()))
             self._shell = PtyShell(
-                _BwrapLauncher(self._argv(), ulimit_command(rlimits(limits))),
+                _BwrapLauncher(self._argv(), ulimit_command(rlimits(limits)), self._disk, self._root / "disk"),
                 self._root / "control",
                 CONTROL_DIR,
                 max_output_bytes=limits.max_output_bytes,
@@ -296,7 +310,6 @@ class BwrapSandbox(SandboxLifecycle):
             finally:
                 os.close(image_fd)
         return None if text is None else passwd.with_home(text, _INNER_UID, self.spec.workspace)
-
 
     def _make_writable_dirs(self) -> None:
         """What the sandbox writes to, in `disk`: the workspace or a fork's overlay layers, and with a disk of its
@@ -567,7 +580,7 @@ class BwrapSandbox(SandboxLifecycle):
         if self._disk is None:
             os.rename(self._root / "disk/workspace", target)
         else:
-            disk.bind(self._root / "disk/workspace", target)
+            self._disk.mount_copy(target, "workspace")
             assert self._hand_over_snapshot is not None
             self._hand_over_snapshot.holds_mount = True
         self._handed_over = True
@@ -594,7 +607,8 @@ class BwrapSandbox(SandboxLifecycle):
             return None
         max_read = self.spec.limits.max_read_mb * 2**20
         owner = _NOBODY if self._as_root else None
-        return HostWorkspace(self._root / "disk/workspace", owner, max_read, inside=self.spec.workspace)
+        assert self.workspace is not None
+        return HostWorkspace(self.workspace, owner, max_read, inside=self.spec.workspace)
 
 
 class _BwrapLauncher(ShellLauncher):
@@ -606,15 +620,25 @@ class _BwrapLauncher(ShellLauncher):
     `exit 137` reads the same.) Any other exit is the shell's own (`exit`): a new sandbox shell takes over.
     """
 
-    def __init__(self, argv: list[str], setup: str) -> None:
+    def __init__(self, argv: list[str], setup: str, disk: SandboxDisk | None, disk_mount_point: Path) -> None:
         super().__init__(argv, {"PATH": _PATH})
         self.setup = setup
+        self._disk, self._disk_mount_point = disk, disk_mount_point
 
     def spawn(self, tty: int) -> subprocess.Popen[bytes]:
+        if self._disk is not None:  # bwrap binds the disk by its path (a new shell after the first needs it back)
+            self._disk.attach(self._disk_mount_point)
         return subprocess.Popen(
             self.argv, stdin=tty, stdout=tty, stderr=tty, env=self.env, close_fds=True, start_new_session=True,
             preexec_fn=interruptible_children(),
         )  # fmt: skip
+
+    def started(self) -> None:
+        """The sandbox has its own bind of its disk now: take the disk's mount point out of the host's namespace
+        (`disk.py`: every later bwrap start would copy it), in a thread, as the kernel takes ~1 ms to detach."""
+        if self._disk is not None:
+            detaching = asyncio.get_running_loop().run_in_executor(None, self._disk.detach)
+            detaching.add_done_callback(_log_failed_detach)
 
     def members(self, pid: int) -> set[int]:
         try:
@@ -628,6 +652,12 @@ class _BwrapLauncher(ShellLauncher):
         if returncode == 128 + signal.SIGKILL:
             return "the sandbox was killed: its init got SIGKILL from the host (or the kernel's OOM killer)"
         return None
+
+
+def _log_failed_detach(detaching: asyncio.Future[None]) -> None:
+    if not detaching.cancelled() and detaching.exception() is not None:
+        log.warning("could not detach a sandbox disk from the host (it stays until the sandbox closes): %s",
+                    detaching.exception())
 
 
 class _Snapshot:

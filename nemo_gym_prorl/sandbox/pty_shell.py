@@ -136,6 +136,10 @@ class ShellLauncher:
             stdin=tty, stdout=tty, stderr=tty, env=self.env, close_fds=True, preexec_fn=interruptible_children(),
         )  # fmt: skip
 
+    def started(self) -> None:
+        """Called (on the event loop) once a shell it spawned has answered its setup: what the launcher set up for
+        the shell is in place by then."""
+
     def members(self, pid: int) -> set[int]:
         """The processes to kill before the leader `pid` when the shell is torn down."""
         return _session_members(pid) - {pid}
@@ -303,6 +307,7 @@ class PtyShell:
             await self._teardown()
             raise SandboxError(f"shell did not start ({' '.join(self._launcher.argv)}): {output.strip()!r}")
         self._dirty = False
+        self._launcher.started()
 
     async def _interrupt(self) -> str | None:
         """Bring a busy shell back to its prompt: what did it, or None when the shell had to be restarted."""

@@ -3,12 +3,12 @@
 Every backend gives its sandbox a workspace (at `SandboxSpec.workspace` inside, /workspace unless set) and takes
 `write_file`/`read_file` paths relative to it or absolute under it. Two ways to check such a path:
 
-- `HostWorkspace`, for a workspace that is a host directory (a plain bwrap or Apptainer sandbox): `resolve()`
-  rejects a path that leads outside, by `..` or through a symlink, and `write()`/`read()` walk to the file one
-  directory at a time without following symlinks (`O_NOFOLLOW` at each step), so a link the sandbox swaps in after
-  the check cannot redirect the host's I/O. The file itself is opened without blocking and used only if it is a
-  regular file (`open_regular`): a FIFO the sandbox made would otherwise hold a host thread forever. Reads are
-  capped (`read_capped`). As root, what it creates belongs to the sandbox's host uid.
+- `HostWorkspace`, for a workspace the host can open (a plain bwrap or Apptainer sandbox): every path is looked
+  up by the kernel beneath the workspace's directory (`openat2` with RESOLVE_BENEATH): symlinks and `..` are
+  followed as the sandbox would follow them, and one that leads outside is refused during the lookup itself, so
+  no link the sandbox swaps in meanwhile can redirect the host's I/O. The file itself is opened without blocking and
+  used only if it is a regular file (`open_regular`): a FIFO the sandbox made would otherwise hold a host thread
+  forever. Reads are capped (`read_capped`). As root, what it creates belongs to the sandbox's host uid.
 - `lexical_relative()`, for a workspace the host cannot open itself (a fork's overlay, a NeMo Gym provider's): it
   only follows `..`; symlinks are left to whatever does the I/O inside.
 
@@ -17,12 +17,13 @@ Every backend gives its sandbox a workspace (at `SandboxSpec.workspace` inside, 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import posixpath
 import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
@@ -33,6 +34,7 @@ from nemo_gym_prorl.sandbox.base import (
     PathOutsideWorkspaceError,
 )
 from nemo_gym_prorl.sandbox.limits import file_kind
+from nemo_gym_prorl.sandbox.syscalls import open_beneath
 
 
 def lexical_relative(path: str, root: str = WORKSPACE, *, aliases: tuple[str, ...] = ()) -> PurePosixPath:
@@ -60,24 +62,12 @@ class HostWorkspace:
         self.max_read_bytes = max_read_bytes
         """Largest file `read()` returns; None: no limit."""
 
-    def resolve(self, path: str) -> PurePosixPath:
-        """`path` relative to the workspace, symlinks resolved; PathOutsideWorkspaceError if that leaves it."""
-        root = os.path.realpath(self.directory)
-        resolved = os.path.realpath(os.path.join(root, _strip_root(path, (self.inside,))))
-        if resolved == root:
-            raise PathOutsideWorkspaceError(f"path {path!r} names the workspace itself, not a file in it")
-        if not resolved.startswith(root + os.sep):
-            raise PathOutsideWorkspaceError(f"path {path!r} resolves outside {self.inside} (via '..' or a symlink)")
-        return PurePosixPath(os.path.relpath(resolved, root))
-
     def write(self, path: str, data: bytes) -> None:
         """Write `data` at `path`, making its parent directories."""
-        rel = self.resolve(path)
-        dir_fd = self._open_dir(rel.parent.parts, create=True)
-        try:
-            fd = open_regular(rel.name, os.O_WRONLY | os.O_CREAT, path, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
+        rel = self._relative(path)
+        with self._opened_root() as root:
+            self._make_parents(root, rel)
+            fd = open_regular(root, str(rel), os.O_WRONLY | os.O_CREAT, path, self.inside)
         with open(fd, "wb") as f:
             os.ftruncate(fd, 0)  # not O_TRUNC: what is there is checked to be a regular file first
             if self.owner_uid is not None:
@@ -86,44 +76,53 @@ class HostWorkspace:
 
     def read(self, path: str) -> bytes:
         """The file at `path`, at most `max_read_bytes` of it (FileTooLargeError past that)."""
-        rel = self.resolve(path)
-        dir_fd = self._open_dir(rel.parent.parts, create=False)
-        try:
-            fd = open_regular(rel.name, os.O_RDONLY, path, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
+        rel = self._relative(path)
+        with self._opened_root() as root:
+            fd = open_regular(root, str(rel), os.O_RDONLY, path, self.inside)
         with open(fd, "rb") as f:
             return read_capped(f, self.max_read_bytes, path)
 
-    def _open_dir(self, parts: tuple[str, ...], create: bool) -> int:
-        """Open the workspace subdirectory `parts` without following symlinks, so a link swapped in from inside
-        after `resolve()` checked the path cannot redirect host-side I/O outside the workspace."""
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+    def _relative(self, path: str) -> PurePosixPath:
+        rel = _strip_root(path, (self.inside,))
+        if posixpath.normpath(rel) == ".":
+            raise PathOutsideWorkspaceError(f"path {path!r} names the workspace itself, not a file in it")
+        return rel
+
+    @contextlib.contextmanager
+    def _opened_root(self) -> Iterator[int]:
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            for part in parts:
-                if create:
-                    try:
-                        os.mkdir(part, 0o755, dir_fd=fd)
-                        if self.owner_uid is not None:
-                            os.chown(part, self.owner_uid, self.owner_uid, dir_fd=fd, follow_symlinks=False)
-                    except FileExistsError:
-                        pass
-                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                os.close(fd)
-                fd = child
-        except BaseException:
+            yield fd
+        finally:
             os.close(fd)
-            raise
-        return fd
+
+    def _make_parents(self, root: int, rel: PurePosixPath) -> None:
+        """Make the missing directories on the way to `rel`, each in its parent as looked up beneath `root`."""
+        parts = rel.parent.parts
+        for depth, part in enumerate(parts):
+            try:
+                os.close(_open_beneath(root, "/".join(parts[: depth + 1]), os.O_RDONLY | os.O_DIRECTORY, self.inside))
+                continue
+            except FileNotFoundError:
+                pass
+            parent = _open_beneath(root, "/".join(parts[:depth]) or ".", os.O_RDONLY | os.O_DIRECTORY, self.inside)
+            try:
+                os.mkdir(part, 0o755, dir_fd=parent)
+                if self.owner_uid is not None:
+                    os.chown(part, self.owner_uid, self.owner_uid, dir_fd=parent, follow_symlinks=False)
+            except FileExistsError:
+                pass
+            finally:
+                os.close(parent)
 
 
-def open_regular(name: str, flags: int, shown: str, *, dir_fd: int | None = None) -> int:
-    """Open `name` (a last path component, under `dir_fd`) with `flags`, without following a symlink and without
-    blocking whatever the sandbox put there, and return the fd (blocking again) only if it is a regular file.
-    A FIFO, socket or device: NotARegularFileError; a directory: IsADirectoryError (`shown` names the path)."""
-    nonblocking = flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+def open_regular(root: int, rel: str, flags: int, shown: str, inside: str = WORKSPACE) -> int:
+    """Open `rel`, looked up beneath the directory `root` (`_open_beneath`), with `flags`, without blocking whatever
+    the sandbox put there, and return the fd (blocking again) only if it is a regular file. A FIFO, socket or
+    device: NotARegularFileError; a directory: IsADirectoryError (`shown` names the path, `inside` the workspace
+    in errors)."""
     try:
-        fd = os.open(name, nonblocking, 0o644, dir_fd=dir_fd)
+        fd = _open_beneath(root, rel, flags | os.O_NONBLOCK | os.O_NOCTTY, inside, shown)
     except OSError as e:
         if e.errno == errno.ENXIO:  # a FIFO without a reader (opened to write), a socket
             raise NotARegularFileError(errno.ENXIO, "not a regular file (a FIFO or socket); refused", shown) from None
@@ -139,6 +138,20 @@ def open_regular(name: str, flags: int, shown: str, *, dir_fd: int | None = None
         os.close(fd)
         raise
     return fd
+
+
+def _open_beneath(root: int, rel: str, flags: int, inside: str, shown: str | None = None) -> int:
+    """`open_beneath`, with a way out of the workspace (`..` or a symlink, EXDEV) as PathOutsideWorkspaceError."""
+    try:
+        return open_beneath(root, rel, flags)
+    except OSError as e:
+        if e.errno == errno.EXDEV:
+            raise PathOutsideWorkspaceError(
+                f"path {shown or rel!r} resolves outside {inside} (via '..' or a symlink)"
+            ) from None
+        if shown is not None:
+            e.filename = shown
+        raise
 
 
 def read_capped(f: BinaryIO, limit: int | None, shown: str) -> bytes:
