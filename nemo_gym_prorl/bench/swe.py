@@ -1,5 +1,6 @@
-"""SWE rollouts' stages on the shipped offline suite, in one run: (a) init, run and eval p50 per backend, and (b) a
-GRPO group of 8 samples forked from one SWE init versus 8 fresh inits.
+"""SWE rollouts' stages on the shipped offline suite, in one run: (a) init, run and eval p50 per backend, (b) a
+GRPO group of 8 samples forked from one SWE init versus 8 fresh inits, and (c) the same group as one job through
+the rollout service, with its ``pipeline.fork_groups`` on versus off.
 
 (a) For each sampled instance (the first of each project) on each backend (bwrap on the default rootfs, Apptainer
 on its SIF): init (sandbox up, repository staged on its squashed base), run (a scripted agent applies the gold
@@ -11,7 +12,15 @@ eight stagings) against forked (one staging, `fork(8)`), timed until all eight a
 counted in the time; the CPU seconds a group costs (ours and our children's, closing included) are shown
 beside it: what forking saves a machine busy with many groups. The sides take turns, round after round, on the first instance of each project (the projects differ in
 how long a staging takes, which is what forking saves: a fork costs about a sandbox start, so the ratio grows with
-the repository); the last line is the median over projects of the ratio of the medians (goal >= 5x).
+the repository); its line is the median over projects of the ratio of the medians (goal >= 5x).
+
+(c) One job of n=8 through the service (the orchestrator and its pipeline, in this process; the model a stand-in
+server that runs one bash command in the repository and stops), from submission until all eight results are
+stored: ``service.pipeline.fork_groups: true`` (one init, fork(8)) against false (eight inits). The SWE
+environment's own grouping (``verifier.fork_groups``) is off on both sides, so the service's is what is measured.
+The stand-in changes nothing, so grading is skipped (an empty patch): the time is init and run of a group, and the
+CPU seconds ours and our children's. The sides take turns on the first instance of each project; the last line is
+the median over projects of the wall-time ratio, with the CPU ratio beside it.
 """
 
 from __future__ import annotations
@@ -19,14 +28,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import tempfile
 import time
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
 
 from nemo_gym_prorl.bench.sandbox import cpu_seconds
 from nemo_gym_prorl.bench.tools import p50_p95, take_turns
 from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
 from nemo_gym_prorl.envs.swe import SweEnvironment
 from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.models.launcher import ModelServerProcess
+from nemo_gym_prorl.models.standin import standin_argv
+from nemo_gym_prorl.service.orchestrator import JobRequest, Orchestrator
+from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceRuntime, ServiceSettings
 from nemo_gym_prorl.tool_calls import ToolCall
 
 TASK = "swe/offline"
@@ -124,10 +142,81 @@ async def fork_vs_fresh(instances: list[TaskInstance], size: int, rounds: int) -
           f"{len(ratios)} projects, {min(ratios):.1f}x to {max(ratios):.1f}x; goal >= 5x)")  # fmt: skip
 
 
-async def _run(rounds: int, group_size: int, fork_rounds: int) -> None:
+STANDIN_SCRIPT = ["```bash\ngit status --short && ls\n```"]  # looks, changes nothing; the task stops it after a turn
+
+
+def service_task_file(folder: Path) -> Path:
+    """The SWE task as the service runs it here: the default rootfs, one turn, the environment's own grouping off."""
+    task = load_task(TASK)
+    task.max_turns = 1
+    task.verifier = task.verifier | {"image": BACKENDS["bwrap"], "fork_groups": False}
+    path = folder / "swe-bench-service.yaml"
+    path.write_text(yaml.safe_dump(task.model_dump(mode="json")))
+    return path
+
+
+@dataclass
+class ServiceSide:
+    """One side of (c): a service whose pipeline forks groups or not; each measurement is one job of `size`."""
+
+    orchestrator: Orchestrator
+    instance: TaskInstance
+    size: int
+    samples: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+    async def measure(self) -> None:
+        request = JobRequest(instance=self.instance.data, instance_id=self.instance.instance_id, n=self.size,
+                             sampling_params={"seed": 1})  # fmt: skip
+        cpu, started = cpu_seconds(), time.perf_counter()
+        view = await self.orchestrator.wait(self.orchestrator.submit(request))
+        self.samples.append(time.perf_counter() - started)
+        self.cpu.append(cpu_seconds() - cpu)
+        failed = [t for t in view.results if t.critical_error is not None]
+        if failed:
+            raise RuntimeError(f"{self.instance.instance_id}: a sample failed: {failed[0].critical_error}: {failed[0].error}")
+
+
+async def service_fork_vs_not(instances: list[TaskInstance], size: int, rounds: int, folder: Path) -> None:
+    task_file = service_task_file(folder)
+    print(f"(c) a job of n={size} through the service (bwrap, stand-in model, one turn), {rounds} rounds each, p50 s: "
+          f"fork_groups off | on | wall ratio | CPU s p50 off / on | CPU ratio")  # fmt: skip
+    async with AsyncExitStack() as stack:
+        model = await stack.enter_async_context(ModelServerProcess(standin_argv(STANDIN_SCRIPT)))
+        orchestrators = {}
+        for fork_groups in (False, True):
+            settings = ServiceSettings(tasks=[str(task_file)], store=folder / f"fork-{fork_groups}.db", port=0)
+            settings.pipeline.fork_groups = fork_groups
+            model_config = ModelConfig(kind="remote", addresses=[model.base_url], served_model_name="standin",
+                                       tool_call_format="codeact")  # fmt: skip
+            runtime = await stack.enter_async_context(ServiceRuntime(ServiceConfig(service=settings, model=model_config)))
+            orchestrators[fork_groups] = runtime.orchestrator
+        walls, cpus = [], []
+        for instance in instances:
+            off, on = (ServiceSide(orchestrators[f], instance, size) for f in (False, True))
+            await take_turns([off, on], rounds, warmup=1)
+            off.cpu, on.cpu = off.cpu[-rounds:], on.cpu[-rounds:]
+            wall_off, wall_on = statistics.median(off.samples), statistics.median(on.samples)
+            cpu_off, cpu_on = statistics.median(off.cpu), statistics.median(on.cpu)
+            walls.append(wall_off / wall_on)
+            cpus.append(cpu_off / cpu_on)
+            print(f"  {instance.instance_id:<24} {wall_off:6.2f} | {wall_on:6.2f} | {walls[-1]:.2f}x | "
+                  f"{cpu_off:.2f} / {cpu_on:.2f} | {cpus[-1]:.2f}x")  # fmt: skip
+    print(f"service fork_groups: {statistics.median(walls):.2f}x faster (wall) and {statistics.median(cpus):.2f}x less "
+          f"CPU for a job of n={size} through the service (median over {len(walls)} projects; wall {min(walls):.2f}x "
+          f"to {max(walls):.2f}x)")  # fmt: skip
+
+
+async def _run(rounds: int, group_size: int, fork_rounds: int, service_rounds: int, only: str | None) -> None:
     instances = first_per_project(load_instances(load_task(TASK).dataset))
-    await stages(instances, rounds)
-    await fork_vs_fresh(instances, group_size, fork_rounds)
+    if only in (None, "stages"):
+        await stages(instances, rounds)
+    if only in (None, "fork"):
+        await fork_vs_fresh(instances, group_size, fork_rounds)
+    if only not in (None, "service"):
+        return
+    with tempfile.TemporaryDirectory(prefix="prorl-bench-swe-") as folder:
+        await service_fork_vs_not(instances, group_size, service_rounds, Path(folder))
 
 
 def main(argv: list[str]) -> None:
@@ -135,5 +224,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="stage measurements per instance and backend")
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--fork-rounds", type=int, default=5)
+    parser.add_argument("--service-rounds", type=int, default=3, help="(c): jobs per project and side")
+    parser.add_argument("--only", choices=["stages", "fork", "service"], help="run one part only")
     args = parser.parse_args(argv)
-    asyncio.run(_run(args.rounds, args.group, args.fork_rounds))
+    asyncio.run(_run(args.rounds, args.group, args.fork_rounds, args.service_rounds, args.only))
