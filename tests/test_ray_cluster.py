@@ -246,7 +246,8 @@ async def test_a_wedged_worker_is_killed_its_rollouts_run_again_and_a_new_one_ta
     and counted lost, its rollouts run again on the other node, a rollout cancelled while waiting on it ends (here
     its run deadline passes on the head meanwhile: the cancel's close to the worker, shielded, is cancelled again
     before the worker's loss fails it), its sandboxes and their leftovers go, and a new worker takes its node. No
-    task's exception goes unretrieved (asyncio would log "Task exception was never retrieved")."""
+    task's exception goes unretrieved (asyncio would log "Task exception was never retrieved"; it did before the
+    shielded close retrieved it)."""
     async with RolloutClient(svc.url) as client:
         jobs = [await client.submit(JobRequest(instance=ROW, n=2, job_id=f"wedged-{i}")) for i in range(2)]
         doomed = await client.submit(JobRequest(instance=ROW, job_id="wedged-cancel", deadlines=Deadlines(run_s=6)))
@@ -281,8 +282,11 @@ async def test_a_wedged_worker_is_killed_its_rollouts_run_again_and_a_new_one_ta
     await wait_until(lambda: any(w.node_id == node for w in fleet(svc).ready_workers()), timeout=180)  # its successor
     assert victim not in fleet(svc).workers and fleet(svc).status()["lost_workers"] >= 1
     gc.collect()  # an unretrieved task exception is logged when the task is collected
-    unretrieved = [r for r in caplog.records if r.levelno >= logging.ERROR and "never retrieved" in r.getMessage()]
-    assert not unretrieved, [r.getMessage() for r in unretrieved]
+    unretrieved = [
+        r.getMessage() for r in caplog.records
+        if r.levelno >= logging.ERROR and ("never retrieved" in r.getMessage() or "Unhandled error" in r.getMessage())
+    ]  # fmt: skip  # asyncio's word for a task's, Ray's for a call's
+    assert not unretrieved, unretrieved
 
 
 async def test_a_worker_node_killed_mid_job_loses_no_result_leaves_no_sandbox_and_comes_back(

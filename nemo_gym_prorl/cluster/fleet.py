@@ -203,11 +203,13 @@ class WorkerFleet:
                 self._kill_unresponsive(worker)
             except RayActorError as e:  # died between two calls: nothing else would notice before a rollout
                 self.lost(worker, e)
+            except Exception as e:  # Ray's own trouble, not the worker's: ask again next period
+                _log.warning("pinging rollout worker %s failed: %r", worker.name, e)
 
     def _kill_unresponsive(self, worker: WorkerRef) -> None:
         if worker not in self.workers:  # lost meanwhile by other means
             return
-        self.lost(worker, f"unresponsive for {self.settings.worker_unresponsive_s:g} s (no answer to a ping)")
+        self.lost(worker, f"unresponsive for {self.settings.worker_unresponsive_s:g} s, no answer to a ping")
         node = worker.node_id
         self._unswept.setdefault(node, []).append(worker.info["pid"])
         sweeper = next((w for w in self.ready_workers() if w.node_id == node), None)
@@ -226,8 +228,14 @@ class WorkerFleet:
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._forget)
         return task
+
+    def _forget(self, task: asyncio.Task[Any]) -> None:
+        """A background task is over: a bug that ended it is said here (no task's exception goes unretrieved)."""
+        self._background.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            _log.error("%s failed", task.get_name(), exc_info=error)
 
     async def _poll_nodes(self) -> None:
         while True:
