@@ -9,6 +9,8 @@ which type it runs.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -99,6 +101,21 @@ class Environment(ABC):
     async def eval(self, episode: Episode) -> Evaluation:
         """Collect and grade an episode whose sandbox is still alive."""
         return await self.grade(episode.instance, await self.collect(episode))
+
+    async def fork(self, episode: Episode, into: list[Environment]) -> list[Episode]:
+        """GRPO group forking (service/group_fork.py): an episode for each environment of `into` (the samples' own;
+        in one process, this one each time), each on a copy-on-write fork of `episode`'s sandbox with its own copy
+        of the episode's fields; `episode`'s sandbox is closed on the way (its workspace handed over, not copied)."""
+        fork = getattr(episode.sandbox, "fork", None)
+        if fork is None:
+            raise TypeError(f"the episode's sandbox ({type(episode.sandbox).__name__}) cannot fork")
+        sandboxes = await fork(len(into), close=True)
+        return [
+            dataclasses.replace(
+                episode, sandbox=s, messages=copy.deepcopy(episode.messages), session=copy.deepcopy(episode.session)
+            )
+            for s in sandboxes
+        ]
 
     async def close(self, episode: Episode) -> None:
         if episode.sandbox is not None:

@@ -1,5 +1,5 @@
 """GRPO group forking, "one init, n forks": the samples of one instance share one init, each continuing on a
-copy-on-write fork of its sandbox.
+copy-on-write fork of its sandbox (``Environment.fork``).
 
 Every sample of a GRPO group starts from the same staged task (the same first prompt, the same workspace), so the
 n inits of a group do the same work n times; for SWE that is a repository staged n times. With the pipeline's
@@ -22,11 +22,10 @@ being made waits for it and has its fork closed. A failed init or fork fails eve
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import time
 import traceback
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 from nemo_gym_prorl.envs.base import Environment, Episode
@@ -48,21 +47,6 @@ def can_fork(env: Environment) -> bool:
     return _backend_forks[backend]
 
 
-async def fork_episode(episode: Episode, n: int) -> list[Episode]:
-    """n episodes, each on a copy-on-write fork of `episode`'s sandbox with its own copy of the episode's fields;
-    `episode`'s sandbox is closed on the way (its workspace handed to the forks, not copied)."""
-    fork = getattr(episode.sandbox, "fork", None)
-    if fork is None:
-        raise TypeError(f"the episode's sandbox ({type(episode.sandbox).__name__}) cannot fork")
-    sandboxes = await fork(n, close=True)
-    return [
-        dataclasses.replace(
-            episode, sandbox=s, messages=copy.deepcopy(episode.messages), session=copy.deepcopy(episode.session)
-        )
-        for s in sandboxes
-    ]
-
-
 class GroupInitFailed(RuntimeError):
     """The init (or the fork) a group's samples shared failed: every sample still waiting ends with it."""
 
@@ -76,13 +60,19 @@ class _Phase:
 
 
 class ForkGroup:
-    """The samples (`members`, any hashable ids) of one instance sharing one init: each calls `take` for its
-    episode and, once it no longer waits for one (it took it, was cancelled, timed out), `detach`."""
+    """The samples of one instance sharing one init, `members` (any hashable id -> the sample's environment; the
+    first one's runs the init): each calls `take` for its episode and, once it no longer waits for one (it took
+    it, was cancelled, timed out), `detach`. An error of a type in `passed` reaches the members as it is (a lost
+    Ray worker: each sample runs again), any other as `GroupInitFailed`."""
 
-    def __init__(self, env: Environment, instance: TaskInstance, members: Iterable[Hashable]) -> None:
-        self.env, self.instance = env, instance
+    def __init__(
+        self, members: Mapping[Hashable, Environment], instance: TaskInstance,
+        passed: tuple[type[BaseException], ...] = (),
+    ) -> None:  # fmt: skip
+        self._envs = dict(members)
+        self.env, self.instance, self.passed = next(iter(self._envs.values())), instance, passed
         loop = asyncio.get_running_loop()
-        self._waiting: dict[Hashable, asyncio.Future[Episode]] = {m: loop.create_future() for m in members}
+        self._waiting: dict[Hashable, asyncio.Future[Episode]] = {m: loop.create_future() for m in self._envs}
         self.size = len(self._waiting)
         self._shared: asyncio.Task[None] | None = None
         self._forking: set[Hashable] = set()  # members a fork in flight is being made for
@@ -110,7 +100,7 @@ class ForkGroup:
             return
         if future.done():
             if not future.cancelled() and future.exception() is None:  # given but never taken
-                await asyncio.shield(self.env.close(future.result()))
+                await asyncio.shield(self._envs[member].close(future.result()))
             return
         future.cancel()
         if not self._waiting and self._shared is not None and not self._shared.done():  # no one left to init for
@@ -145,20 +135,24 @@ class ForkGroup:
             await asyncio.shield(self.env.close(parent))
             return
         self._forking = set(members)
+        envs = [self._envs[m] for m in members]
         try:
             try:
-                episodes = await self._phase("fork", fork_episode(parent, len(members)), forks=len(members))
-            finally:
-                await asyncio.shield(self.env.close(parent))  # closed by the fork already, whatever happened
+                episodes = await self._phase("fork", self.env.fork(parent, envs), forks=len(members))
+            except BaseException:
+                await asyncio.shield(self.env.close(parent))
+                raise
+            if not any(env is self.env for env in envs):  # the init's own sample left: what it held there goes
+                await asyncio.shield(self.env.close(parent))
             self.forks += len(episodes)
             unclaimed = []
             for member, episode in zip(members, episodes, strict=True):
                 future = self._waiting.get(member)
                 if future is None or future.done():  # detached while its fork was being made
-                    unclaimed.append(episode)
+                    unclaimed.append(self._envs[member].close(episode))
                 else:
                     future.set_result(episode)
-            await asyncio.shield(asyncio.gather(*(self.env.close(e) for e in unclaimed), return_exceptions=True))
+            await asyncio.shield(asyncio.gather(*unclaimed, return_exceptions=True))
         except Exception as e:
             self._fail(f"forking the group's init into {len(members)} failed", e)
         finally:
@@ -180,4 +174,4 @@ class ForkGroup:
         reason = "".join(traceback.format_exception_only(error)).strip()
         for future in self._waiting.values():
             if not future.done():
-                future.set_exception(GroupInitFailed(f"{what}: {reason}"))
+                future.set_exception(error if isinstance(error, self.passed) else GroupInitFailed(f"{what}: {reason}"))

@@ -254,7 +254,7 @@ class RolloutPipeline:
 
     async def _init_group(self, members: list[Rollout]) -> None:
         """One init for `members`, forked into one sandbox each; each member's init stage waits for its own."""
-        group = ForkGroup(members[0].env, members[0].instance, members)
+        group = ForkGroup({r: r.env for r in members}, members[0].instance, passed=(RolloutLost,))
         for rollout in members:
             rollout.group = group
         try:
