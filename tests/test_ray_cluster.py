@@ -243,7 +243,9 @@ async def test_a_wedged_worker_is_killed_its_rollouts_run_again_and_a_new_one_ta
     svc: RunningService, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A worker whose process is stopped (SIGSTOP) is alive for Ray. The head's pings find it silent: it is killed
-    and counted lost, its rollouts run again on the other node, a rollout cancelled while waiting on it ends (here
+    and counted lost, its rollouts run again on the other node (one that had used its re-run already ends with a
+    critical error saying why, and keeps what the head has of it: its prompt), a rollout cancelled while waiting on
+    it ends (here
     its run deadline passes on the head meanwhile: the cancel's close to the worker, shielded, is cancelled again
     before the worker's loss fails it), its sandboxes and their leftovers go, and a new worker takes its node. No
     task's exception goes unretrieved (asyncio would log "Task exception was never retrieved"; it did before the
@@ -255,8 +257,10 @@ async def test_a_wedged_worker_is_killed_its_rollouts_run_again_and_a_new_one_ta
         await wait_until(lambda: cancelled.outcome is not None, timeout=120)  # its run call is out to its worker
         victim = cancelled.env.worker
         pid, node = victim.info["pid"], victim.node_id
-        moved = [r.trajectory.trajectory_id for job in jobs for r in rollouts_of(svc, job) if r.env.worker is victim]
-        assert moved, "the test needs rollouts of the other jobs on the stopped worker"
+        moved = [r for job in jobs for r in rollouts_of(svc, job) if r.env.worker is victim]
+        assert len(moved) >= 2, "the test needs rollouts of the other jobs on the stopped worker"
+        spent = moved[0].trajectory.trajectory_id
+        moved[0].env.losses = fleet(svc).settings.max_reruns  # as if its worker had been lost once before
         sandboxes, dirs = sandboxes_under(pid), sandbox_dirs_of(pid)
         assert sandboxes and dirs
         os.kill(pid, signal.SIGSTOP)
@@ -268,13 +272,19 @@ async def test_a_wedged_worker_is_killed_its_rollouts_run_again_and_a_new_one_ta
             with contextlib.suppress(ProcessLookupError):  # the test failed before the head killed it: resume it
                 os.kill(pid, signal.SIGCONT)
     assert view.state == "cancelled" and [t.critical_error for t in view.results] == ["cancelled"]
-    results = [t for v in views for t in v.results]
-    assert [t.critical_error for t in results] == [None] * 4, [t.error for t in results]
-    assert sorted(t.trajectory_id for t in results) == ["wedged-0:0", "wedged-0:1", "wedged-1:0", "wedged-1:1"]
+    results = {t.trajectory_id: t for v in views for t in v.results}
+    assert sorted(results) == ["wedged-0:0", "wedged-0:1", "wedged-1:0", "wedged-1:1"]
+    lost = results.pop(spent)
+    assert [t.critical_error for t in results.values()] == [None] * 3, [t.error for t in results.values()]
+    assert lost.critical_error in ("init", "run", "eval") and lost.finish == "error", lost.error
+    for said in (f"worker {victim.name} on node {node[:12]}", f"unresponsive for {UNRESPONSIVE_S} s", "lost 2 time"):
+        assert said in lost.error, lost.error
+    whole = next(iter(results.values())).messages  # the head has its prompt; its turns were on the lost worker
+    assert lost.messages and lost.messages == whole[: len(lost.messages)] and not lost.assistant_turns()
     for job in jobs:
         assert svc.orchestrator.store.result_samples(job) == {0, 1}
     reruns = [r.getMessage() for r in caplog.records if "running it again" in r.getMessage()]
-    for trajectory_id in moved:  # each said why: the worker, its node, how long it was silent
+    for trajectory_id in [r.trajectory.trajectory_id for r in moved[1:]]:  # each said why, and ran again
         [said] = [m for m in reruns if m.startswith(f"rollout {trajectory_id}:")]
         assert f"worker {victim.name} on node {node[:12]}" in said and f"unresponsive for {UNRESPONSIVE_S} s" in said
     await wait_until(lambda: not alive(sandboxes), timeout=30)  # they died with their worker
