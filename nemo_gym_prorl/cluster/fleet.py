@@ -275,9 +275,14 @@ class WorkerFleet:
                 live[w.node_id] += w.live
             node = max(free, key=lambda n: (free[n], -live[n]))
         worker = min((w for w in ready if w.node_id == node), key=lambda w: w.live)
+        return self.place_on(worker, group)
+
+    def place_on(self, worker: WorkerRef, group: str) -> WorkerRef:
+        """`worker` for a rollout of `group` (one forked from its group's init there, or a new one): it holds one of
+        the worker's sandbox slots until `release`."""
         worker.live += 1
         held = self._groups.get(group)
-        self._groups[group] = (node, held[1] + 1 if held and held[0] == node else 1)
+        self._groups[group] = (worker.node_id, held[1] + 1 if held and held[0] == worker.node_id else 1)
         return worker
 
     def release(self, worker: WorkerRef, group: str) -> None:

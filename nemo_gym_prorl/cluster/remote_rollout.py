@@ -82,6 +82,23 @@ class RemoteEnvironment(Environment):
             raise
         return Episode(instance=instance, sandbox=None)
 
+    async def fork(self, episode: Episode, into: list[Environment]) -> list[Episode]:
+        """A group's forks (``pipeline.fork_groups``), made on the worker that ran its init (this rollout's): each
+        sample's rollout is held there under its own key, holding a slot of that worker."""
+        assert self.worker is not None
+        worker, members = self.worker, [m for m in into if m is not self]
+        for member in members:
+            assert isinstance(member, RemoteEnvironment)
+            member.report = member.closing = None
+            member.worker = self.fleet.place_on(worker, member.group)
+        try:
+            await self.call(worker, "fork", self.task.name, [m.key for m in into])  # type: ignore[attr-defined]
+        except BaseException:
+            for member in members:
+                member._release()  # type: ignore[attr-defined]
+            raise
+        return [Episode(instance=episode.instance, sandbox=None) for _ in into]
+
     async def call_tool(self, episode: Episode, call: ToolCall) -> ToolOutput:
         raise RuntimeError("a remote rollout's tools run on its worker")
 

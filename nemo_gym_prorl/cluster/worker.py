@@ -147,6 +147,23 @@ class RolloutWorker:
             return
         held.episode = episode
 
+    async def fork(self, key: str, task: str, into: list[str]) -> None:
+        """GRPO group forking: `key`'s sandbox (its group's init) forked into one rollout per key of `into`, each
+        held here as if it had had an init of its own; `key`'s is closed on the way (it may be one of `into`)."""
+        held = self._rollouts.pop(key, None)
+        if held is None or held.episode is None:
+            raise RuntimeError(f"rollout {key} holds no sandbox to fork (closed meanwhile)")
+        env = self.envs[task]
+        try:
+            episodes = await env.fork(held.episode, [env] * len(into))
+        finally:
+            await env.close(held.episode)  # closed by the fork already, whatever happened
+        for member, episode in zip(into, episodes, strict=True):
+            if member in self._closed:  # closed while its fork was being made
+                await env.close(episode)
+            else:
+                self._rollouts[member] = _Held(task=task, episode=episode)
+
     async def run(
         self, key: str, task: str, trajectory_id: str, sampling: SamplingParams, budget_s: float | None
     ) -> RunReport:

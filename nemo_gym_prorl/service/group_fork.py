@@ -11,7 +11,8 @@ What it is valid for: an episode whose whole state after init is its sandbox's w
 fresh shell, so nothing init left in the shell's state carries over) plus the Episode's own fields (copied). That
 holds for every task type whose init stages files into our sandbox; a Gym task's episode is a session on the Gym
 server (no sandbox of ours to fork), so its samples init one by one. Backends without ``fork`` (Apptainer today)
-init one by one too.
+init one by one too. On Ray, the group's init runs on one rollout worker and its forks are made and held there
+(``RemoteEnvironment.fork``), each taking a sandbox slot of that worker.
 
 Members come and go independently: one that is cancelled or runs past its deadline while the group's init runs
 only stops waiting (the last one to go cancels the init, whose sandbox is closed); one that goes while the fork is

@@ -215,8 +215,8 @@ class Orchestrator:
             rollouts.append(rollout)
         live.rollouts += rollouts
         self.store.set_state(job_id, "running")
-        # one group: with pipeline.fork_groups, one init forked into its samples (on Ray, each inits on its worker)
-        self.pipeline.submit(rollouts, group=self.remote is None)
+        # one group: with pipeline.fork_groups, one init forked into its samples (on Ray, on the init's worker)
+        self.pipeline.submit(rollouts, group=True)
 
     def _agent(self, env: Environment, trajectory_id: str, sampling: SamplingParams) -> AgentLoop:
         return make_agent_loop(env, self.model, self.pool, self.tokenizer, trajectory_id, sampling)
