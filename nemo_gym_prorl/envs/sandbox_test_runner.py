@@ -7,10 +7,11 @@ own process: each test is a child forked off this runner (a warm interpreter: ~2
 new one) that first puts itself in a session of its own (no controlling terminal, its own process group), bounds
 its output file (RLIMIT_FSIZE: past the cap the kernel stops it with SIGXFSZ) and CPU time, connects real files
 to fds 0/1/2, and only then compiles and runs the program. The runner waits for it with a per-test wall-clock
-limit, kills its process group, and after each problem kills every other process it may signal (``kill(-1)``:
-all but itself and the sandbox's init), so a daemon left by one problem never sees the next. Results are written
-only then, one JSON line per problem, so no test process is alive to tamper with them; a problem that kills
-the runner leaves the lines of the problems before it (see `code_grading` for what the grader then trusts).
+limit, kills its process group, and after each problem kills every other process of the sandbox (all but the
+sandbox's init, itself and the shell that started it), so a daemon left by one problem never sees the next.
+Results are written only then, one JSON line per problem, so no test process is alive to tamper with them; a
+problem that kills the runner leaves the lines of the problems before it (see `code_grading` for what the grader
+then trusts).
 
 Expected outputs never enter the sandbox: a stdin/stdout test's output and a call-based test's return value
 (as JSON) come back raw, and the grader compares them outside. Only the line count of each expected stdout comes
@@ -154,36 +155,77 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _only_our_processes_visible() -> bool:
-    """Whether every process this one can see runs as its own unprivileged user: true in a sandbox with a pid
-    namespace of its own, false on a host (root's and other users' processes are visible there)."""
-    if os.geteuid() == 0:
-        return False
+def _stat(pid: str) -> "tuple[int, str] | None":
+    """(parent pid, state letter) of a visible process; None once it is gone."""
+    try:
+        with open("/proc/" + pid + "/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold anything
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[0].decode()
+
+
+def _ancestors() -> "set[int]":
+    """This process and every one between it and the sandbox's init: the shell that started the runner (under
+    Apptainer a process of the sandbox's user, not its init) must outlive the sweep."""
+    chain, pid = set(), os.getpid()
+    while pid > 1 and pid not in chain:
+        chain.add(pid)
+        info = _stat(str(pid))
+        pid = info[0] if info is not None else 0
+    return chain
+
+
+def _others(protected: "set[int]") -> "list[tuple[int, str]] | None":
+    """(pid, state letter) of each live process but the sandbox's init (pid 1) and `protected`; None when one of them
+    runs as another user: then this is no sandbox with a pid namespace of its own (on a host, root's and other
+    users' processes are visible), and nothing may be swept."""
+    found = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.stat("/proc/" + entry).st_uid != os.geteuid():
-                    return False
-            except FileNotFoundError:
-                pass
-    return True
+        if not entry.isdigit() or entry == "1" or int(entry) in protected:
+            continue
+        try:
+            if os.stat("/proc/" + entry).st_uid != os.geteuid():
+                return None
+        except FileNotFoundError:
+            continue
+        info = _stat(entry)
+        if info is not None and info[1] not in "ZX":  # a zombie only waits for its parent
+            found.append((int(entry), info[1]))
+    return found
 
 
-def _kill_everything_else() -> None:
-    """Every process this one may signal but itself and the sandbox's init: what a problem left behind.
-    Only where `_only_our_processes_visible` (outside a sandbox this would kill the user's whole session)."""
-    if not _only_our_processes_visible():
+def _kill_everything_else(rounds: int = 500) -> None:
+    """Every process but the sandbox's init, this runner and its ancestors: what a problem left behind (a daemon in
+    a session of its own). Each round stops what still runs (a stopped process forks no more); a round that finds
+    only stopped processes kills them all; done when none is left. Not `kill(-1)`: under Apptainer the shell that
+    runs the runner is no init but a process of the same user, and would go too. Only where `_others` says this is
+    a sandbox (outside one, this would kill the user's whole session)."""
+    if os.geteuid() == 0:
         return
-    for _ in range(3):
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        except ChildProcessError:
+    protected = _ancestors()
+    for _ in range(rounds):
+        others = _others(protected)
+        if not others:
+            break
+        running = [pid for pid, state in others if state not in "Tt"]
+        for pid in running:
+            _signal(pid, signal.SIGSTOP)
+        if not running:
+            for pid, _ in others:
+                _signal(pid, signal.SIGKILL)
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
             pass
+    except ChildProcessError:
+        pass
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _read(path: str, limit: int) -> str:
