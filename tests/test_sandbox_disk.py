@@ -85,7 +85,8 @@ async def test_closing_the_spares_removes_them_and_a_later_sandbox_makes_them_ag
     async with BwrapSandbox(SandboxSpec(limits=LIMITS)):
         pass
     await ready(spares, 4096, 2)
-    assert len(loop_devices_under(root)) == 2 and mounts_under(root) == []  # detached: mounted nowhere
+    await wait_until(lambda: len(loop_devices_under(root)) == 2)  # the sandbox's disk goes in a thread of its own
+    assert mounts_under(root) == []  # the spares are detached: mounted nowhere
     spares.close()  # as at the service's exit
     await wait_until(lambda: not loop_devices_under(root))
     async with BwrapSandbox(SandboxSpec(limits=LIMITS)) as sandbox:

@@ -567,12 +567,21 @@ class BwrapSandbox(SandboxLifecycle):
                 if killed and self._hand_over_to is not None and self._root is not None:  # nothing inside runs now
                     await asyncio.to_thread(self._hand_over, self._hand_over_to)
             finally:
-                if self._disk is not None:  # a disk handed over to forks stays intact: they read it
-                    await asyncio.to_thread(functools.partial(self._disk.unmount, discard=not self._handed_over))
-                if self._root is not None and self._root.exists():
-                    await asyncio.to_thread(_remove_owned_dir, self._root)
+                await asyncio.to_thread(self._remove_host_side)
                 if self._snapshot is not None and self._started and self._snapshot.release():
                     await asyncio.to_thread(self._snapshot.remove)
+
+    def _remove_host_side(self) -> None:
+        """Remove the temp dir, then let the disk go (one thread hop: each costs ~0.2 ms of a close). The dir goes
+        first: the kernel's teardown of the disk, which `unmount` starts, would slow down removing its mount point."""
+        try:
+            if self._disk is not None:
+                self._disk.detach()  # a no-op unless a new shell's start left it attached
+            if self._root is not None and self._root.exists():
+                _remove_owned_dir(self._root)
+        finally:
+            if self._disk is not None:  # a disk handed over to forks stays intact: they read it
+                self._disk.unmount(discard=not self._handed_over)
 
     def _hand_over(self, target: Path) -> None:
         """Give the workspace to a snapshot: its directory moved there, or its disk mounted there as well."""
