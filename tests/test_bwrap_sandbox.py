@@ -186,6 +186,19 @@ async def test_image_rootfs_replaces_the_host(shared_tmp: Path, mount_points: bo
         assert (await sandbox.exec(["cat", "/etc/os-release"], 5)).output == "ID=tiny\n"
 
 
+async def test_the_image_passwd_gives_the_sandbox_user_the_workspace_as_home_and_a_link_is_never_followed(
+    shared_tmp: Path,
+) -> None:
+    rootfs = tiny_rootfs(shared_tmp)
+    async with BwrapSandbox(SandboxSpec(image=str(rootfs), workspace="/testbed")) as sandbox:
+        assert (await sandbox.run("cat /etc/passwd", 5)).output == "imageuser:x:1000:1000::/testbed:/bin/bash\n"
+    (rootfs / "etc/passwd").unlink()
+    (rootfs / "etc/passwd").symlink_to("/etc/passwd")  # inside, a loop; followed on the host, the host's accounts
+    async with BwrapSandbox(SandboxSpec(image=str(rootfs), workspace="/testbed")) as sandbox:
+        seen = await sandbox.run("cat /etc/passwd", 5)
+        assert seen.exit_code != 0 and "root:" not in seen.output
+
+
 async def test_image_must_be_a_reachable_directory(shared_tmp: Path) -> None:
     with pytest.raises(SandboxError, match="rootfs directory"):
         await BwrapSandbox(SandboxSpec(image=str(shared_tmp / "missing.sif"))).start()

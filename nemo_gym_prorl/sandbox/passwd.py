@@ -9,8 +9,11 @@ file instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from collections.abc import Iterator
+from typing import BinaryIO
 
 _MAX_BYTES = 1 << 20
 
@@ -29,38 +32,36 @@ def with_home(passwd: str, uid: int, home: str, name: str = "sandbox") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _open_passwd(root_fd: int, flags: int) -> int:
-    """`etc/passwd` under `root_fd`, following no symlink (a tree's own links could lead out of it, into the host's
-    files): an image whose /etc or /etc/passwd is a link keeps its file as it is."""
-    etc = os.open("etc", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+@contextlib.contextmanager
+def _passwd_file(root_fd: int, mode: str) -> Iterator[BinaryIO | None]:
+    """`etc/passwd` under `root_fd` opened in `mode` ("rb" or "r+b"), following no symlink (a tree's own links
+    could lead out of it, into the host's files); None when there is no regular file there (an image whose /etc or
+    /etc/passwd is a link keeps its file as it is)."""
+    flags = (os.O_RDWR if mode == "r+b" else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        return os.open("passwd", flags | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=etc)
-    finally:
-        os.close(etc)
+        etc = os.open("etc", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+        try:
+            fd = os.open("passwd", flags, dir_fd=etc)
+        finally:
+            os.close(etc)
+    except OSError:
+        yield None
+        return
+    with os.fdopen(fd, mode) as file:
+        yield file if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
 def read_beneath(root_fd: int) -> str | None:
-    """The /etc/passwd of the tree `root_fd` opens (an image, a container's root); None when it has none (or a link,
-    a directory, ...)."""
-    try:
-        fd = _open_passwd(root_fd, os.O_RDONLY)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return file.read(_MAX_BYTES).decode("utf-8", "replace")
+    """The /etc/passwd of the tree `root_fd` opens (an image, a container's root); None when it has none."""
+    with _passwd_file(root_fd, "rb") as file:
+        return None if file is None else file.read(_MAX_BYTES).decode("utf-8", "replace")
 
 
 def rewrite_beneath(root_fd: int, uid: int, home: str) -> bool:
     """Give `uid` the home `home` in the writable /etc/passwd of the tree `root_fd` opens, in place; False when
     there is none to rewrite."""
-    try:
-        fd = _open_passwd(root_fd, os.O_RDWR)
-    except OSError:
-        return False
-    with os.fdopen(fd, "r+b") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+    with _passwd_file(root_fd, "r+b") as file:
+        if file is None:
             return False
         new = with_home(file.read(_MAX_BYTES).decode("utf-8", "replace"), uid, home).encode()
         file.seek(0)
