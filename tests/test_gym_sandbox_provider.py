@@ -81,10 +81,10 @@ async def test_closing_a_gym_bwrap_sandbox_leaves_nothing() -> None:
     await box.start()
     ours = box._handle.raw.sandbox  # type: ignore[union-attr]  # the provider's handle wraps our sandbox
     await box.exec("sleep 1000 > /dev/null 2>&1 &")
-    pid, workspace = ours.pid, ours.workspace
-    assert pid is not None and os.path.exists(f"/proc/{pid}") and workspace.is_dir()
+    pid, workspace, temp_dir = ours.pid, ours.workspace, ours.temp_dir
+    assert pid is not None and os.path.exists(f"/proc/{pid}") and workspace.is_dir() and temp_dir.is_dir()
     await box.stop()
-    assert not os.path.exists(f"/proc/{pid}") and not workspace.exists()
+    assert not os.path.exists(f"/proc/{pid}") and not temp_dir.exists() and ours.workspace is None
     assert await box.status() == SandboxStatus.STOPPED
     # a sandbox nobody stopped is closed with its provider
     left = await provider.create(GymSpec())

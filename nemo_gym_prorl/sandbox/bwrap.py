@@ -150,8 +150,8 @@ class BwrapSandbox(SandboxLifecycle):
 
     @property
     def workspace(self) -> Path | None:
-        """Host directory mounted at `spec.workspace`. None before start, and for a fork, whose workspace is an overlay
-        that only its own mount namespace sees."""
+        """Host directory mounted at `spec.workspace`, while the sandbox runs (see `writable_dir`). None otherwise, and
+        for a fork, whose workspace is an overlay that only its own mount namespace sees."""
         writable = self.writable_dir
         return writable / "workspace" if writable is not None and self._snapshot is None else None
 
@@ -159,8 +159,9 @@ class BwrapSandbox(SandboxLifecycle):
     def writable_dir(self) -> Path | None:
         """Host path of what the sandbox writes: its workspace (`workspace`), or a fork's overlay layers (`upper`,
         `work`), and with a disk of its own its /tmp (`tmp`). A disk's is a path through this process's fd of it
-        (`SandboxDisk.root`). None before start."""
-        if self._root is None:
+        (`SandboxDisk.root`), valid while the sandbox runs: None before start and once it closes (that fd is closed
+        then, and its number may name another sandbox's disk later)."""
+        if self._root is None or self._close_task is not None:
             return None
         return self._disk.root if self._disk is not None else self._root / "disk"
 
