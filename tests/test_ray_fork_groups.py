@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from ray.cluster_utils import Cluster
+from sandbox_helpers import wait_until
 from standin_helpers import running_standin
 
 from nemo_gym_prorl.cluster.settings import RaySettings
@@ -25,6 +26,11 @@ from tests.test_ray_cluster import sandbox_dirs_of, sandboxes_under
 @pytest.fixture(scope="module")
 def standin() -> Iterator[str]:
     yield from running_standin(SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def slow_standin() -> Iterator[str]:
+    yield from running_standin(SCRIPT, latency_s=60.0)  # runs that last until the test cancels them
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +76,31 @@ async def test_a_group_on_ray_inits_once_and_is_forked_on_one_worker(standin: st
     assert stats == {"groups": 1, "inits": 1, "forks": 4}
     for t in forked:
         assert [s.name for s in t.timing.spans[:3]] == ["group_init", "fork", "init"]
+
+
+async def test_cancelling_forked_samples_on_ray_closes_their_forks_on_the_worker(
+    slow_standin: str, cluster: Cluster
+) -> None:
+    with tempfile.TemporaryDirectory(prefix="prorl-ray-fork-test-") as tmp:
+        ray = RaySettings(address=cluster.address, node_poll_s=0.5)
+        async with run_service(service_config(slow_standin, Path(tmp) / "ray.db", True, ray)) as svc:
+            fleet = svc.orchestrator.remote
+            assert fleet is not None and len(fleet.ready_workers()) == 2
+
+            def slots_by_worker() -> dict[int, int]:
+                return {w.info["pid"]: w.live for w in fleet.ready_workers()}
+
+            async with RolloutClient(svc.url) as client:
+                job = await client.submit(JobRequest(instance=ROW, n=3, job_id="cut"))
+                await wait_until(lambda: sorted(slots_by_worker().values()) == [0, 3], timeout=120)
+                (pid,) = [p for p, n in slots_by_worker().items() if n == 3]  # the three forks on one worker
+                await wait_until(lambda: len(sandboxes_under(pid)) == 3, timeout=60)
+                first = svc.orchestrator._live[job].rollouts[0]  # the sample whose worker ran the group's init
+                await svc.orchestrator.pipeline.cancel(first)
+                assert slots_by_worker()[pid] == 2
+                await wait_until(lambda: len(sandboxes_under(pid)) == 2, timeout=30)  # its fork closed; not theirs
+                view = await client.cancel(job)
+                assert [s["live"] for s in fleet.status()["nodes"].values()] == [0]  # every sandbox slot given back
+                await wait_until(lambda: sandboxes_under(pid) == [], timeout=30)
+                assert sandbox_dirs_of(pid) == []
+    assert [t.critical_error for t in view.results] == ["cancelled"] * 3
