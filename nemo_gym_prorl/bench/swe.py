@@ -133,6 +133,7 @@ async def fork_vs_fresh(instances: list[TaskInstance], size: int, rounds: int) -
         fresh = GroupSide("fresh", fresh_env, instance, size)
         forked = GroupSide("forked", forked_env, instance, size)
         await take_turns([fresh, forked], rounds, warmup=1)
+        fresh.cpu, forked.cpu = fresh.cpu[-rounds:], forked.cpu[-rounds:]  # take_turns drops warm-up samples only
         (fresh_p50, fresh_p95), (forked_p50, forked_p95) = p50_p95(fresh.samples), p50_p95(forked.samples)
         ratios.append(fresh_p50 / forked_p50)
         cpu = f"{statistics.median(fresh.cpu):.2f} / {statistics.median(forked.cpu):.2f}"
