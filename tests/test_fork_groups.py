@@ -21,7 +21,7 @@ from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.service.client import RolloutClient
 from nemo_gym_prorl.service.orchestrator import JobRequest
-from nemo_gym_prorl.service.pipeline import RolloutPipeline, StageConfig
+from nemo_gym_prorl.service.pipeline import Rollout, RolloutPipeline, StageConfig
 from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
 from nemo_gym_prorl.service.serve import RunningService, run_service
 from nemo_gym_prorl.service.trajectory import Trajectory
@@ -92,6 +92,19 @@ def forking(**kw):  # type: ignore[no-untyped-def]
     return config(fork_groups=True, **kw)
 
 
+def started_group(pipeline: RolloutPipeline, env: MathEnvironment, models: list) -> list[Rollout]:
+    """A group of one rollout per model, submitted as the samples of one job are."""
+    members = [rollout(env, model) for model in models]
+    pipeline.submit(members, group=True)
+    return members
+
+
+async def group_results(env: MathEnvironment, tokenizer: Tokenizer, n: int) -> list[Trajectory]:
+    async with RolloutPipeline(forking()) as pipeline:
+        members = started_group(pipeline, env, [ScriptedModel(tokenizer, ["\\boxed{42}"]) for _ in range(n)])
+        return await asyncio.wait_for(asyncio.gather(*(m.done for m in members)), 120)
+
+
 async def until(condition, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
     async with asyncio.timeout(timeout):
         while not condition():
@@ -101,8 +114,7 @@ async def until(condition, timeout: float = 120) -> None:  # type: ignore[no-unt
 async def test_cancelling_one_member_in_the_group_init_leaves_the_others(task, tokenizer, private_tmp) -> None:
     env = GatedInitEnvironment(task, "bwrap")
     async with RolloutPipeline(forking()) as pipeline:
-        members = [rollout(env, ScriptedModel(tokenizer, ["\\boxed{42}"])) for _ in range(3)]
-        pipeline.submit(members, group=True)
+        members = started_group(pipeline, env, [ScriptedModel(tokenizer, ["\\boxed{42}"]) for _ in range(3)])
         await asyncio.wait_for(env.staging.wait(), 120)
         assert pipeline.status()["init"]["active"] == 3
         await pipeline.cancel(members[0])  # returns at once: it has no sandbox of its own yet
@@ -125,9 +137,8 @@ async def test_cancelling_one_member_in_the_group_init_leaves_the_others(task, t
 async def test_a_member_past_its_init_deadline_times_out_alone(task, tokenizer, private_tmp) -> None:
     env = GatedInitEnvironment(task, "bwrap")
     async with RolloutPipeline(forking()) as pipeline:
-        hasty = rollout(env, ScriptedModel(tokenizer, ["\\boxed{42}"]), stage_deadlines_s={"init": 0.5})
-        patient = rollout(env, ScriptedModel(tokenizer, ["\\boxed{42}"]))
-        pipeline.submit([hasty, patient], group=True)
+        hasty, patient = started_group(pipeline, env, [ScriptedModel(tokenizer, ["\\boxed{42}"]) for _ in range(2)])
+        hasty.stage_deadlines_s = {"init": 0.5}  # read when its init stage starts (a later turn of the loop)
         timed_out = await asyncio.wait_for(hasty.done, 120)  # the gate stays shut past its deadline
         assert not patient.done.done()
         env.gate.set()
@@ -140,8 +151,7 @@ async def test_a_member_past_its_init_deadline_times_out_alone(task, tokenizer, 
 async def test_cancelling_every_member_in_the_group_init_closes_its_sandbox(task, tokenizer, private_tmp) -> None:
     env = GatedInitEnvironment(task, "bwrap")
     async with RolloutPipeline(forking()) as pipeline:
-        members = [rollout(env, ScriptedModel(tokenizer, ["\\boxed{42}"])) for _ in range(3)]
-        pipeline.submit(members, group=True)
+        members = started_group(pipeline, env, [ScriptedModel(tokenizer, ["\\boxed{42}"]) for _ in range(3)])
         await asyncio.wait_for(env.staging.wait(), 120)
         assert sandboxes_left()
         await asyncio.gather(*(pipeline.cancel(m) for m in members))
@@ -154,8 +164,7 @@ async def test_cancelling_one_member_mid_run_leaves_its_siblings(task, tokenizer
     env = MathEnvironment(task, "bwrap")
     model = CountingBlockingModel(tokenizer)
     async with RolloutPipeline(forking(run=StageConfig(workers=4))) as pipeline:
-        members = [rollout(env, model) for _ in range(3)]
-        pipeline.submit(members, group=True)
+        members = started_group(pipeline, env, [model] * 3)
         await until(lambda: model.waiting == 3)
         assert len([p for p in sandboxes_left() if p.name() == "bwrap"]) == 3  # a fork each, the parent gone
         await pipeline.cancel(members[1])
@@ -170,10 +179,7 @@ async def test_cancelling_one_member_mid_run_leaves_its_siblings(task, tokenizer
 async def test_a_failed_group_init_fails_every_member_naming_it(task, tokenizer, private_tmp) -> None:
     env = GatedInitEnvironment(task, "bwrap", fail=True)
     env.gate.set()
-    async with RolloutPipeline(forking()) as pipeline:
-        members = [rollout(env, ScriptedModel(tokenizer, ["\\boxed{42}"])) for _ in range(4)]
-        pipeline.submit(members, group=True)
-        results = await asyncio.wait_for(asyncio.gather(*(m.done for m in members)), 120)
+    results = await group_results(env, tokenizer, 4)
     assert env.inits == 1
     for t in results:
         assert t.critical_error == "init" and t.finish == "error"
@@ -182,11 +188,7 @@ async def test_a_failed_group_init_fails_every_member_naming_it(task, tokenizer,
 
 
 async def test_a_failed_fork_fails_every_member_naming_it(task, tokenizer, private_tmp) -> None:
-    env = ClosedAfterInitEnvironment(task, "bwrap")
-    async with RolloutPipeline(forking()) as pipeline:
-        members = [rollout(env, ScriptedModel(tokenizer, ["\\boxed{42}"])) for _ in range(3)]
-        pipeline.submit(members, group=True)
-        results = await asyncio.wait_for(asyncio.gather(*(m.done for m in members)), 120)
+    results = await group_results(ClosedAfterInitEnvironment(task, "bwrap"), tokenizer, 3)
     for t in results:
         assert t.critical_error == "init" and "forking the group's init into 3 failed" in t.error
     assert sandboxes_left() == [] and left_in(private_tmp) == []
@@ -197,8 +199,7 @@ async def test_a_group_larger_than_the_sandbox_cap_is_forked_in_parts(task, toke
     model = CountingBlockingModel(tokenizer)
     cfg = forking(init=StageConfig(workers=4), run=StageConfig(workers=8), max_live_sandboxes=2)
     async with RolloutPipeline(cfg) as pipeline:
-        members = [rollout(env, model) for _ in range(5)]
-        pipeline.submit(members, group=True)
+        members = started_group(pipeline, env, [model] * 5)
         await until(lambda: model.waiting == 2)
         assert len([p for p in sandboxes_left() if p.name() == "bwrap"]) == 2  # n forks count n against the cap
         assert pipeline.status()["init"]["queued"] == 3

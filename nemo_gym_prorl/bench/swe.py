@@ -109,13 +109,18 @@ async def group(env: SweEnvironment, instance: TaskInstance, size: int) -> tuple
 
 
 @dataclass
-class GroupSide:
-    name: str
-    env: SweEnvironment
+class Side:
+    """One side of a comparison on a group of `size` samples of `instance`: seconds and CPU seconds per round."""
+
     instance: TaskInstance
     size: int
-    samples: list[float] = field(default_factory=list)
-    cpu: list[float] = field(default_factory=list)
+    samples: list[float] = field(default_factory=list, kw_only=True)
+    cpu: list[float] = field(default_factory=list, kw_only=True)
+
+
+@dataclass
+class GroupSide(Side):
+    env: SweEnvironment
 
     async def measure(self) -> None:
         elapsed, cpu = await group(self.env, self.instance, self.size)
@@ -130,8 +135,7 @@ async def fork_vs_fresh(instances: list[TaskInstance], size: int, rounds: int) -
           f"fork({size}) | ratio of p50s | CPU s p50 fresh / forked")  # fmt: skip
     ratios = []
     for instance in instances:
-        fresh = GroupSide("fresh", fresh_env, instance, size)
-        forked = GroupSide("forked", forked_env, instance, size)
+        fresh, forked = GroupSide(instance, size, fresh_env), GroupSide(instance, size, forked_env)
         await take_turns([fresh, forked], rounds, warmup=1)
         fresh.cpu, forked.cpu = fresh.cpu[-rounds:], forked.cpu[-rounds:]  # take_turns drops warm-up samples only
         (fresh_p50, fresh_p95), (forked_p50, forked_p95) = p50_p95(fresh.samples), p50_p95(forked.samples)
@@ -157,14 +161,10 @@ def service_task_file(folder: Path) -> Path:
 
 
 @dataclass
-class ServiceSide:
+class ServiceSide(Side):
     """One side of (c): a service whose pipeline forks groups or not; each measurement is one job of `size`."""
 
     orchestrator: Orchestrator
-    instance: TaskInstance
-    size: int
-    samples: list[float] = field(default_factory=list)
-    cpu: list[float] = field(default_factory=list)
 
     async def measure(self) -> None:
         request = JobRequest(instance=self.instance.data, instance_id=self.instance.instance_id, n=self.size,
@@ -194,7 +194,7 @@ async def service_fork_vs_not(instances: list[TaskInstance], size: int, rounds: 
             orchestrators[fork_groups] = runtime.orchestrator
         walls, cpus = [], []
         for instance in instances:
-            off, on = (ServiceSide(orchestrators[f], instance, size) for f in (False, True))
+            off, on = (ServiceSide(instance, size, orchestrators[f]) for f in (False, True))
             await take_turns([off, on], rounds, warmup=1)
             off.cpu, on.cpu = off.cpu[-rounds:], on.cpu[-rounds:]
             wall_off, wall_on = statistics.median(off.samples), statistics.median(on.samples)
