@@ -170,8 +170,8 @@ class RolloutPipeline:
     # -- intake and cancel ---------------------------------------------------------------------------------------
 
     def submit(self, rollouts: Iterable[Rollout], group: bool = False) -> None:
-        """Start `rollouts`. With `group` (they are samples of one instance, in this process) and ``fork_groups``
-        on, they share one init where their environment can fork, in groups of at most ``max_live_sandboxes``."""
+        """Start `rollouts`. With `group` (they are the samples of one instance) and ``fork_groups`` on, they share
+        one init where their environment can fork, in groups of at most ``max_live_sandboxes``."""
         rollouts = list(rollouts)
         for rollout in rollouts:
             self._live.add(rollout)
@@ -225,13 +225,14 @@ class RolloutPipeline:
         while True:
             item = await queue.get()
             members = item.members if isinstance(item, _Group) else [item]
-            self._queued[stage] -= len(members)
-            self._held[stage] += len(members)
+            taken = len(members)
+            self._queued[stage] -= taken
+            self._held[stage] += taken
             try:
                 await self._intake.wait()
                 members = await self._take_slots(stage, members)
             finally:
-                self._held[stage] -= len(item.members) if isinstance(item, _Group) else 1
+                self._held[stage] -= taken
             if len(members) > 1:
                 await self._init_group(members)
             elif members:
