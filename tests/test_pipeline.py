@@ -4,6 +4,7 @@ and no sandbox left behind. Stage durations are stretched by a test environment 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 
 import psutil
@@ -233,3 +234,44 @@ async def test_a_bug_handing_a_rollout_on_fails_that_rollout_not_the_worker(
     assert broken.critical_error == "run" and "has no attribute 'task'" in broken.error
     assert healthy.critical_error is None and healthy.reward == 1.0
     assert sandboxes_left() == []
+
+
+class SlowFailingCloseEnvironment(MathEnvironment):
+    """Closing the sandbox (really) waits for the test's go, then reports a failure."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.closing, self.go, self.closed = asyncio.Event(), asyncio.Event(), False
+
+    async def close(self, episode: Episode) -> None:
+        if episode.sandbox is None:
+            return await super().close(episode)
+        self.closing.set()
+        await self.go.wait()
+        await super().close(episode)
+        self.closed = True
+        raise SandboxError("cgroup still has processes [123] after SIGKILL")
+
+
+async def test_stopping_the_pipeline_waits_for_a_sandbox_being_closed(
+    task, tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The service stopping while a finished rollout's sandbox closes: the stop waits for the close (its slot is not
+    given back early, nothing runs on), and the close's failure is logged, not left to asyncio as an unretrieved
+    task exception."""
+    env = SlowFailingCloseEnvironment(task, "bwrap")
+    pipeline = RolloutPipeline(config())
+    pipeline.start()
+    r = rollout(env, ScriptedModel(tokenizer, ["\\boxed{42}"]))
+    pipeline.submit([r])
+    await asyncio.wait_for(env.closing.wait(), 30)
+    stopping = asyncio.ensure_future(pipeline.close())
+    done, _ = await asyncio.wait([stopping], timeout=0.5)
+    assert not done  # waiting for the close
+    env.go.set()
+    await asyncio.wait_for(stopping, 30)
+    assert env.closed and sandboxes_left() == []
+    gc.collect()
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("failed after its caller was cancelled" in m for m in messages), messages
+    assert not any("never retrieved" in m for m in messages), messages

@@ -12,10 +12,13 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-from collections.abc import Callable
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Self
 
 from nemo_gym_prorl.sandbox.base import SandboxError, SandboxSpec
+
+_log = logging.getLogger(__name__)
 
 
 class SandboxLifecycle(abc.ABC):
@@ -69,16 +72,23 @@ class SandboxLifecycle(abc.ABC):
         await self._close()
 
 
-async def to_thread_to_the_end(function: Callable[..., object], *args: object) -> None:
-    """`function(*args)` in a thread; cancelled meanwhile, wait for it to end before the cancellation goes on (so
-    that `close()` sees everything it made)."""
-    task = asyncio.ensure_future(asyncio.to_thread(function, *args))
+async def to_the_end[T](awaitable: Awaitable[T]) -> T:
+    """What `awaitable` gives; cancelled meanwhile, wait for it to end before the cancellation goes on (the
+    cancellation is what the caller gets; an error the work ends with then is logged here, as nobody else sees it).
+    For work whose end others count on: a sandbox closed before its slot is given back, a start's thread done before
+    `close()` looks."""
+    task = asyncio.ensure_future(awaitable)
     try:
-        await asyncio.shield(task)
+        return await asyncio.shield(task)
     except asyncio.CancelledError:
         while not task.done():
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([task])
-        if not task.cancelled():
-            task.exception()  # retrieved: the cancellation is what the caller gets
+        if not task.cancelled() and task.exception() is not None:
+            _log.warning("%r failed after its caller was cancelled", awaitable, exc_info=task.exception())
         raise
+
+
+async def to_thread_to_the_end(function: Callable[..., object], *args: object) -> None:
+    """`function(*args)` in a thread, `to_the_end` (so that `close()` sees everything it made)."""
+    await to_the_end(asyncio.to_thread(function, *args))

@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field
 
 from nemo_gym_prorl.envs.base import Environment, Episode, Submission
 from nemo_gym_prorl.envs.dataset import TaskInstance
+from nemo_gym_prorl.sandbox.lifecycle import to_the_end
 from nemo_gym_prorl.service.agent_loop import AgentLoop, AgentOutcome
 from nemo_gym_prorl.service.group_fork import ForkGroup, can_fork
 from nemo_gym_prorl.service.stage_clock import StageClock, current_stage_clock
@@ -409,13 +410,14 @@ class RolloutPipeline:
             t.submission = rollout.submission
 
     async def _close_sandbox(self, rollout: Rollout) -> str | None:
-        """Close the rollout's sandbox (shielded: a cancelled caller never leaks it) and give its slot back; what
-        went wrong closing it, if anything. A sandbox that will not close (processes that survive SIGKILL, a
-        workspace that cannot be removed) fails its rollout, not the worker that runs it."""
+        """Close the rollout's sandbox and give its slot back; what went wrong closing it, if anything. A caller
+        cancelled meanwhile (the service stopping) waits for the close to end (`to_the_end`): the slot is given back
+        once the sandbox is gone, and a close that fails then is logged. A sandbox that will not close (processes
+        that survive SIGKILL, a workspace that cannot be removed) fails its rollout, not the worker that runs it."""
         episode, rollout.episode = rollout.episode, None
         try:
             if episode is not None:
-                await asyncio.shield(rollout.env.close(episode))
+                await to_the_end(rollout.env.close(episode))
         except Exception as e:
             _log.error("rollout %s: closing its sandbox failed", rollout.trajectory.trajectory_id, exc_info=e)
             return f"closing the sandbox failed: {''.join(traceback.format_exception_only(e)).strip()}"
