@@ -5,7 +5,10 @@ and UTS namespaces, clean environment, a throw-away writable layer over a read-o
 unless `spec.network` (then the host's network is shared), a host temp dir bound read-write at `spec.workspace`
 (/workspace unless set), the shell's control dir bound read-only at /.prorl, and `spec.binds`. As root, the
 workspace, /tmp, /var/tmp and /dev/shm are on a filesystem of `limits.disk_mb` of the sandbox's own (`disk.py`):
-full is ENOSPC, not host disk or memory. The instance is a daemon, not our child: a watchdog (`watchdog.py`) kills
+full is ENOSPC, not host disk or memory. That disk is mounted at `disk/` in the temp dir only while the instance
+starts (Apptainer binds it by path); once it runs, it leaves the host's mount table, as the instance's binds keep it,
+and the host reaches it through its fd (`SandboxDisk.root`). Processes that enter the instance join its mount
+namespace and need no host path of it. The instance is a daemon, not our child: a watchdog (`watchdog.py`) kills
 its init if we die without closing it. The persistent shell (`PtyShell`) and every `exec()` are `apptainer exec
 instance://NAME ...` into it; closing kills the instance's init, which takes every process of its pid namespace
 along, and removes the temp dirs and the instance's log files. A shell that exits is replaced by a new one; an
@@ -49,6 +52,7 @@ import contextlib
 import errno
 import glob
 import json
+import logging
 import os
 import platform
 import pwd
@@ -79,6 +83,8 @@ CONTROL_DIR = "/.prorl"
 INSTANCE_PREFIX = "prorl-"
 SANDBOX_UID = 65534
 """uid and gid of everything that runs inside a sandbox started by root."""
+
+log = logging.getLogger(__name__)
 
 _REPO = Path(__file__).resolve().parents[2]
 _NAME_RE = re.compile(r"^prorl-(\d+)-(\d+)-[0-9a-f]{8}$")
@@ -176,7 +182,6 @@ class ApptainerSandbox(SandboxLifecycle):
         owner = os.getpid()
         self.name = f"{INSTANCE_PREFIX}{owner}-{_process_start_time(owner)}-{secrets.token_hex(4)}"
         self._dir: Path | None = None
-        self._workspace: Path | None = None
         self._control: Path | None = None
         self._shell: PtyShell | None = None
         self._starting: subprocess.Popen[bytes] | None = None
@@ -192,8 +197,11 @@ class ApptainerSandbox(SandboxLifecycle):
 
     @property
     def workspace(self) -> Path | None:
-        """Host directory mounted at `spec.workspace` (None before start)."""
-        return self._workspace
+        """Host directory mounted at `spec.workspace`; None before start and once closing. With a disk of its own, a
+        path through this process's fd of the disk (`SandboxDisk.root`; not for `realpath`)."""
+        if self._dir is None or self._close_task is not None:
+            return None
+        return (self._disk.root if self._disk is not None else self._dir / "disk") / "workspace"
 
     @property
     def temp_dir(self) -> Path | None:
@@ -224,6 +232,8 @@ class ApptainerSandbox(SandboxLifecycle):
             else:
                 self._make_writable_dirs()
             await self._start_instance(image)
+            if self._disk is not None:  # the instance has its binds of it: off the critical path, as it is ~1 ms
+                asyncio.get_running_loop().run_in_executor(None, self._detach_disk)
             self._home_in_passwd()
             assert self._control is not None
             self._shell = PtyShell(
@@ -346,7 +356,6 @@ class ApptainerSandbox(SandboxLifecycle):
     def _make_dirs(self) -> None:
         """The sandbox's host dir `<tmp>/<name>-XXXX/` with `disk/` (the disk's mount point) and `control/`."""
         self._dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
-        self._workspace = self._dir / "disk/workspace"
         self._control = self._dir / "control"
         (self._dir / "disk").mkdir()
         self._control.mkdir(mode=0o755)
@@ -372,9 +381,18 @@ class ApptainerSandbox(SandboxLifecycle):
         self._disk = SandboxDisk.create(self._dir, self._dir / "disk", size_mb, owner)
         self._make_writable_dirs()
 
+    def _detach_disk(self) -> None:
+        """Take the disk's mount point out of the host's mount namespace (`disk.py`): every later start of a sandbox
+        of any backend would copy it, and bwrap reads the host's mount table once per bind. A failure leaves it
+        attached until close, which is harmless but for that."""
+        assert self._disk is not None
+        try:
+            self._disk.detach()
+        except OSError as e:
+            log.warning("could not detach a sandbox disk from the host (it stays until the sandbox closes): %s", e)
+
     async def _start_instance(self, image: str) -> None:
         assert self._dir is not None and self._control is not None and self._apptainer is not None
-        assert self._workspace is not None
         argv = [self._apptainer, "-q", "instance", "start", "--containall", "--no-home", "--writable-tmpfs"]
         argv += ["--uts", "--hostname", "sandbox"]  # its own hostname, as in bwrap
         argv += [] if self.spec.network else ["--net", "--network", "none"]
@@ -387,7 +405,7 @@ class ApptainerSandbox(SandboxLifecycle):
         if self._disk is not None:  # /tmp, /var/tmp and /dev/shm on the sandbox's disk: filling them is "disk full"
             argv += ["--workdir", _bind_path(self._dir / "disk/scratch")]
             argv += ["--bind", f"{_bind_path(self._dir / 'disk/shm')}:/dev/shm:rw"]
-        argv += ["--bind", f"{_bind_path(self._workspace)}:{self.spec.workspace}:rw"]
+        argv += ["--bind", f"{_bind_path(self._dir / 'disk/workspace')}:{self.spec.workspace}:rw"]
         argv += ["--bind", f"{_bind_path(self._control)}:{CONTROL_DIR}:ro"]
         for bind in self.spec.binds:
             argv += ["--bind", f"{_bind_path(bind.source)}:{_bind_path(bind.target)}:{'rw' if bind.writable else 'ro'}"]
@@ -517,10 +535,19 @@ class ApptainerSandbox(SandboxLifecycle):
                     os.close(fd)
             self._init_fd = self._monitor_fd = None
             remove_instance_logs(self.name)
+            await asyncio.to_thread(self._remove_host_side)
+
+    def _remove_host_side(self) -> None:
+        """Remove the temp dir, then let the disk go (one thread hop; the dir first, as the kernel's teardown of the
+        disk, which `unmount` starts, would slow down removing its mount point)."""
+        try:
             if self._disk is not None:
-                await asyncio.to_thread(self._disk.unmount)
+                self._disk.detach()  # a no-op unless start failed before detaching it, or detaching failed
             if self._dir is not None and self._dir.exists():
                 remove_tree(self._dir)
+        finally:
+            if self._disk is not None:
+                self._disk.unmount()
 
     async def _stop_instance(self) -> None:
         """Kill the container's init (its pid namespace dies with it) and wait for Apptainer's monitor to clean up
@@ -545,11 +572,12 @@ class ApptainerSandbox(SandboxLifecycle):
     # -- workspace I/O -----------------------------------------------------------------------------------------
 
     def _host_workspace(self) -> HostWorkspace:
-        if self._workspace is None or self._close_task is not None:
+        workspace = self.workspace
+        if workspace is None:
             raise SandboxError("sandbox is not running")
         max_read = self.spec.limits.max_read_mb * 2**20
         owner = SANDBOX_UID if self._as_root else None
-        return HostWorkspace(self._workspace, owner, max_read, inside=self.spec.workspace)
+        return HostWorkspace(workspace, owner, max_read, inside=self.spec.workspace)
 
 
 def _seccomp_profile() -> dict[str, Any]:

@@ -1,0 +1,74 @@
+"""An Apptainer sandbox's disk of its own (`limits.disk_mb`) is in the host's mount table only while its instance
+starts: every new mount namespace on the host (each bwrap start, any other process's) copies the host's mounts, so
+a disk per live sandbox left attached slows them all. Once the instance runs, its binds hold the disk, processes
+that enter it need no host path of it, and host-side file I/O reaches it through this process's fd of it. Root only
+(as CI runs): disks need loop devices."""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sandbox_helpers import reachable_temp_dir, wait_until
+
+from nemo_gym_prorl.sandbox import SandboxError, SandboxLimits, SandboxSpec
+from nemo_gym_prorl.sandbox.apptainer import ApptainerSandbox
+from nemo_gym_prorl.sandbox.base import BindMount
+
+pytestmark = pytest.mark.timeout(120)
+
+LIMITS = SandboxLimits(memory_mb=256, max_processes=32, wall_clock_s=60, disk_mb=48)
+
+
+def mounts_under(root: Path) -> list[str]:
+    return [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(root) in line]
+
+
+def loop_devices_under(root: Path) -> list[str]:
+    listing = subprocess.run(["losetup", "--list", "--noheadings", "--output", "BACK-FILE"], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    return [line for line in listing.splitlines() if str(root) in line]
+
+
+@pytest.fixture
+def root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The service's temp dir: the sandbox's temp dir, and so its disk's image, is made in it."""
+    with reachable_temp_dir() as path:
+        monkeypatch.setattr(tempfile, "tempdir", str(path))
+        yield path
+
+
+async def assert_nothing_left(root: Path) -> None:
+    assert sorted(p.name for p in root.iterdir()) == []
+    assert mounts_under(root) == []
+    await wait_until(lambda: not loop_devices_under(root))  # the kernel lets go of it in a thread of the closer
+
+
+async def test_a_running_instance_keeps_its_disk_out_of_the_hosts_mount_table(root: Path, sif: Path) -> None:
+    async with ApptainerSandbox(SandboxSpec(image=str(sif), limits=LIMITS)) as sandbox:
+        await wait_until(lambda: mounts_under(root) == [])
+        assert len(loop_devices_under(root)) == 1  # the disk is there, mounted only inside the instance
+        await sandbox.write_file("a/b.txt", b"hello")
+        restarted = await sandbox.run("cat /workspace/a/b.txt; exit", 10)  # the next command gets a new shell
+        assert restarted.output.startswith("hello"), restarted.output
+        assert (await sandbox.run("cat a/b.txt; echo x >> a/b.txt", 10)).output.startswith("hello")
+        assert (await sandbox.exec(["cat", "/workspace/a/b.txt"], 10)).output == "hellox\n"
+        assert await sandbox.read_file("/workspace/a/b.txt") == b"hellox\n"
+        assert mounts_under(root) == []  # neither a new shell nor an exec needed it attached again
+        # /tmp, /dev/shm and the workspace are still the one disk of limits.disk_mb: full is ENOSPC inside
+        full = await sandbox.run("head -c 64M /dev/zero > /tmp/f; stat -f -c %i /tmp /workspace /dev/shm", 30)
+        assert "No space left on device" in full.output, full.output
+        assert len(set(full.output.split()[-3:])) == 1, full.output  # one filesystem id
+        assert await sandbox.read_file("a/b.txt") == b"hellox\n"
+    await assert_nothing_left(root)
+
+
+async def test_a_start_that_fails_with_its_disk_attached_leaves_nothing(root: Path, sif: Path) -> None:
+    missing = BindMount(source=str(root / "missing"), target="/data")  # Apptainer refuses to start the instance
+    with pytest.raises(SandboxError, match="apptainer instance start failed"):
+        async with ApptainerSandbox(SandboxSpec(image=str(sif), limits=LIMITS, binds=[missing])):
+            pass
+    await assert_nothing_left(root)
