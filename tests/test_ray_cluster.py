@@ -23,6 +23,7 @@ import httpx
 import psutil
 import pytest
 import pytest_asyncio
+import ray
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -39,6 +40,7 @@ from nemo_gym_prorl.service.pipeline import Rollout
 from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
 from nemo_gym_prorl.service.serve import RunningService, run_service
 from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory
+from tests.test_service_process import prorl_serve
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -237,6 +239,24 @@ async def test_a_weight_sync_reaches_every_worker_and_holds_their_deadlines(svc:
         results = [t for job in jobs for t in (await client.wait(job)).results]
     assert [t.critical_error for t in results] == [None, None], [t.error for t in results]
     assert all(t.timing.queued >= sync_s and t.timing.run < run_s for t in results), [t.timing for t in results]
+
+
+async def test_local_workers_start_a_ray_of_their_own_beside_another(svc: RunningService, model: str) -> None:
+    """`prorl serve ray.local_workers=N` on a machine where a Ray already runs (here: this module's cluster) starts
+    its own, with its own node, instead of joining that one (which failed: ray.init then refuses num_cpus); stopped,
+    it leaves none of its Ray processes behind. (`svc`: this process is connected to the module's cluster.)"""
+    with tempfile.TemporaryDirectory(prefix="prorl-ray-local-") as tmp:
+        overrides = ("ray.local_workers=1", "ray.object_store_mb=80")
+        async with prorl_serve(model, Path(tmp) / "jobs.db", *overrides, start_timeout_s=300) as (url, process):
+            async with RolloutClient(url) as client:
+                nodes = (await client.status())["workers"]["nodes"]
+                assert len(nodes) == 1 and not set(nodes) & {n["NodeID"] for n in ray.nodes()}, nodes
+                view = await client.wait(await client.submit(JobRequest(instance=ROW, n=2)))
+            assert [t.reward for t in view.results] == [1.0, 1.0], [t.error for t in view.results]
+            its_processes = psutil.Process(process.pid).children(recursive=True)
+        assert process.returncode == 0
+        _, alive = psutil.wait_procs(its_processes, timeout=60)
+        assert alive == [], alive
 
 
 async def test_a_wedged_worker_is_killed_its_rollouts_run_again_and_a_new_one_takes_its_place(

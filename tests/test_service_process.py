@@ -19,15 +19,18 @@ from tests.test_service import ROW, instant_model, slow_model  # noqa: F401  (st
 
 
 @asynccontextmanager
-async def prorl_serve(model_url: str, store: Path) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+async def prorl_serve(
+    model_url: str, store: Path, *overrides: str, start_timeout_s: float = 60
+) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
     argv = [
         sys.executable, "-m", "nemo_gym_prorl.cli", "serve", "model=remote", f"model.addresses=[{model_url}]",
         "model.served_model_name=standin", "model.tool_call_format=codeact", "service.port=0", f"service.store={store}",
+        *overrides,
     ]
     process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, start_new_session=True)
     try:
         assert process.stdout is not None
-        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()
+        line = (await asyncio.wait_for(process.stdout.readline(), start_timeout_s)).decode()
         assert "listening on" in line, line
         yield line.split("listening on ")[1].split()[0], process
     finally:

@@ -83,9 +83,11 @@ class WorkerFleet:
             if s.address is not None:
                 ray.init(address=s.address, namespace=s.namespace, log_to_driver=False)
             else:
+                # "local": a Ray of its own even where another runs on this machine (without it, ray.init joins
+                # that one, then refuses num_cpus)
                 ray.init(
-                    num_cpus=s.local_workers, object_store_memory=s.object_store_mb << 20, include_dashboard=False,
-                    namespace=s.namespace, log_to_driver=False,
+                    address="local", num_cpus=s.local_workers, object_store_memory=s.object_store_mb << 20,
+                    include_dashboard=False, namespace=s.namespace, log_to_driver=False,
                 )  # fmt: skip
             self._started_ray = True
         try:
