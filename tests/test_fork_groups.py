@@ -252,3 +252,27 @@ async def test_a_forked_group_gives_the_same_trajectories_from_one_init(standin,
     for t in forked:
         assert [s.name for s in t.timing.spans[:3]] == ["group_init", "fork", "init"] and t.timing.init > 0
     assert all("group_init" not in [s.name for s in t.timing.spans] for t in plain)
+
+
+class AskingForSharedInitEnvironment(MathEnvironment):
+    """A task whose environment asks for its groups to share one init (as SWE's does: its staging is costly)."""
+
+    @property
+    def shares_group_init(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("setting", [None, True, False])
+async def test_unset_fork_groups_leaves_it_to_each_tasks_environment(task, tokenizer, private_tmp, setting) -> None:
+    """`pipeline.fork_groups` unset: a group shares one init where its environment asks (SWE), else each sample
+    inits; set, it decides for every task."""
+    inits = {}
+    async with RolloutPipeline(config(fork_groups=setting)) as pipeline:
+        for env in (MathEnvironment(task, "bwrap"), AskingForSharedInitEnvironment(task, "bwrap")):
+            models = [ScriptedModel(tokenizer, ["\\boxed{42}"]) for _ in range(3)]
+            results = await asyncio.wait_for(asyncio.gather(*(m.done for m in started_group(pipeline, env, models))), 120)
+            assert [t.reward for t in results] == [1.0] * 3
+            inits[type(env).__name__] = pipeline.group_stats["inits"] - sum(inits.values())
+    shared = {None: [0, 1], True: [1, 1], False: [0, 0]}[setting]  # groups that shared an init: math, asking
+    assert list(inits.values()) == shared
+    assert sandboxes_left() == [] and left_in(private_tmp) == []

@@ -235,8 +235,10 @@ async def test_scripted_gold_agent_gets_reward_1_through_the_service(gold_agent,
 
 
 async def test_a_group_shares_one_staging_in_independent_forks(env: SweEnvironment, instances) -> None:
+    """As the service's group forking does (`pipeline.fork_groups`, which SWE tasks ask for): one init, four forks."""
     instance = sample(instances)[3]
-    episodes = await asyncio.gather(*(env.init(instance) for _ in range(4)))
+    assert env.shares_group_init
+    episodes = await env.fork(await env.init(instance), [env] * 4)
     try:
         assert len({e.session["base_commit"] for e in episodes}) == 1
         await env.call_tool(episodes[0], bash("echo mine > only_here.txt"))

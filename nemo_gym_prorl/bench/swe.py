@@ -7,8 +7,8 @@ on its SIF): init (sandbox up, repository staged on its squashed base), run (a s
 patch through the bash tool, and the patch is extracted: the model's time is left out), eval (a fresh sandbox,
 patch and hidden tests applied, tests run, graded by swebench). Every eval must resolve.
 
-(b) Eight inits of one instance at once, as the service's init stage runs a group: fresh (`fork_groups: false`,
-eight stagings) against forked (one staging, `fork(8)`), timed until all eight are staged; closing is not
+(b) Eight inits of one instance at once, as the service's init stage runs a group: fresh (eight stagings) against
+forked (one staging forked into eight, `Environment.fork`, as the service's group forking does), timed until all eight are staged; closing is not
 counted in the time; the CPU seconds a group costs (ours and our children's, closing included) are shown
 beside it: what forking saves a machine busy with many groups. The sides take turns, round after round, on the first instance of each project (the projects differ in
 how long a staging takes, which is what forking saves: a fork costs about a sandbox start, so the ratio grows with
@@ -16,8 +16,7 @@ the repository); its line is the median over projects of the ratio of the median
 
 (c) One job of n=8 through the service (the orchestrator and its pipeline, in this process; the model a stand-in
 server that runs one bash command in the repository and stops), from submission until all eight results are
-stored: ``service.pipeline.fork_groups: true`` (one init, fork(8)) against false (eight inits). The SWE
-environment's own grouping (``verifier.fork_groups``) is off on both sides, so the service's is what is measured.
+stored: ``service.pipeline.fork_groups: true`` (one init, fork(8)) against false (eight inits).
 The stand-in changes nothing, so grading is skipped (an empty patch): the time is init and run of a group, and the
 CPU seconds ours and our children's. The sides take turns on the first instance of each project; the last line is
 the median over projects of the wall-time ratio, with the CPU ratio beside it.
@@ -51,9 +50,9 @@ TASK = "swe/offline"
 BACKENDS = {"bwrap": "default-rootfs", "apptainer": "default-sif"}
 
 
-def environment(backend: str, image: str, fork_groups: bool = True) -> SweEnvironment:
+def environment(backend: str, image: str) -> SweEnvironment:
     task = load_task(TASK)
-    task.verifier = task.verifier | {"image": image, "fork_groups": fork_groups}
+    task.verifier = task.verifier | {"image": image}
     return SweEnvironment(task, backend)
 
 
@@ -87,7 +86,7 @@ async def stages(instances: list[TaskInstance], rounds: int) -> None:
     print("(a) SWE stages per backend, p50 over instances x rounds (run = scripted agent applying the gold patch)")
     for backend, image in BACKENDS.items():
         try:
-            env = environment(backend, image, fork_groups=False)
+            env = environment(backend, image)
             times = [await stage_times(env, i) for _ in range(rounds) for i in instances]
         except (FileNotFoundError, RuntimeError) as e:
             print(f"  {backend:<10} not measured: {e}")
@@ -96,10 +95,14 @@ async def stages(instances: list[TaskInstance], rounds: int) -> None:
         print(f"  {backend:<10} init {init * 1e3:7.0f} ms   run {run * 1e3:7.0f} ms   eval {evaluate * 1e3:7.0f} ms")
 
 
-async def group(env: SweEnvironment, instance: TaskInstance, size: int) -> tuple[float, float]:
-    """Seconds until `size` inits of `instance` are staged, and the CPU seconds of the group, closing included."""
+async def group(env: SweEnvironment, instance: TaskInstance, size: int, forked: bool) -> tuple[float, float]:
+    """Seconds until `size` samples of `instance` are staged (`forked`: one init forked into `size`, as the service's
+    group forking does; else `size` inits at once), and the CPU seconds of the group, closing included."""
     cpu, started = cpu_seconds(), time.perf_counter()
-    episodes = await asyncio.gather(*(env.init(instance) for _ in range(size)), return_exceptions=True)
+    if forked:
+        episodes: list = await env.fork(await env.init(instance), [env] * size)
+    else:
+        episodes = await asyncio.gather(*(env.init(instance) for _ in range(size)), return_exceptions=True)
     elapsed = time.perf_counter() - started
     await asyncio.gather(*(env.close(e) for e in episodes if not isinstance(e, BaseException)))
     failures = [e for e in episodes if isinstance(e, BaseException)]
@@ -121,21 +124,22 @@ class Side:
 @dataclass
 class GroupSide(Side):
     env: SweEnvironment
+    forked: bool
 
     async def measure(self) -> None:
-        elapsed, cpu = await group(self.env, self.instance, self.size)
+        elapsed, cpu = await group(self.env, self.instance, self.size, self.forked)
         self.samples.append(elapsed)
         self.cpu.append(cpu)
 
 
 async def fork_vs_fresh(instances: list[TaskInstance], size: int, rounds: int) -> None:
     image = BACKENDS["bwrap"]
-    fresh_env, forked_env = environment("bwrap", image, fork_groups=False), environment("bwrap", image)
+    env = environment("bwrap", image)
     print(f"(b) a group of {size} on bwrap, {rounds} rounds each, p50 / p95 ms: {size} fresh inits | 1 init + "
           f"fork({size}) | ratio of p50s | CPU s p50 fresh / forked")  # fmt: skip
     ratios = []
     for instance in instances:
-        fresh, forked = GroupSide(instance, size, fresh_env), GroupSide(instance, size, forked_env)
+        fresh, forked = GroupSide(instance, size, env, False), GroupSide(instance, size, env, True)
         await take_turns([fresh, forked], rounds, warmup=1)
         fresh.cpu, forked.cpu = fresh.cpu[-rounds:], forked.cpu[-rounds:]  # take_turns drops warm-up samples only
         (fresh_p50, fresh_p95), (forked_p50, forked_p95) = p50_p95(fresh.samples), p50_p95(forked.samples)
@@ -154,7 +158,7 @@ def service_task_file(folder: Path) -> Path:
     """The SWE task as the service runs it here: the default rootfs, one turn, the environment's own grouping off."""
     task = load_task(TASK)
     task.max_turns = 1
-    task.verifier = task.verifier | {"image": BACKENDS["bwrap"], "fork_groups": False}
+    task.verifier = task.verifier | {"image": BACKENDS["bwrap"]}
     path = folder / "swe-bench-service.yaml"
     path.write_text(yaml.safe_dump(task.model_dump(mode="json")))
     return path

@@ -66,6 +66,10 @@ class RemoteEnvironment(Environment):
         self.closing: Any = None  # the close a cancelled call sent (a Ray ObjectRef): the run's outcome so far
         self.losses = 0
 
+    @property
+    def shares_group_init(self) -> bool:
+        return self._local.shares_group_init
+
     def prompt_messages(self, instance: TaskInstance) -> list[dict[str, Any]]:
         return self._local.prompt_messages(instance)
 

@@ -102,6 +102,13 @@ class Environment(ABC):
         """Collect and grade an episode whose sandbox is still alive."""
         return await self.grade(episode.instance, await self.collect(episode))
 
+    @property
+    def shares_group_init(self) -> bool:
+        """Whether a GRPO group's samples should share one init, forked into each (what `pipeline.fork_groups`
+        does when the service leaves it unset): worth it where staging costs more than a fork (a repository, an
+        image). False: each sample inits on its own."""
+        return False
+
     async def fork(self, episode: Episode, into: list[Environment]) -> list[Episode]:
         """GRPO group forking (service/group_fork.py): an episode for each environment of `into` (the samples' own;
         in one process, this one each time), each on a copy-on-write fork of `episode`'s sandbox with its own copy

@@ -46,8 +46,8 @@ class SweSettings(BaseModel):
     def _workdir_mountable(cls, path: str) -> str:
         return SandboxSpec(workspace=path).workspace
 
-    fork_groups: bool = Field(True, description="samples of one instance started together share one staging, "
-                              "each in a copy-on-write fork of it (backends that can fork)")
+    fork_groups: bool = Field(True, description="a GRPO group's samples share one staging, each in a copy-on-write "
+                              "fork of it (backends that can fork), unless the service's pipeline.fork_groups says")
 
 
 class SweEnvironment(Environment):
@@ -58,8 +58,10 @@ class SweEnvironment(Environment):
         except ValidationError as e:
             raise ValueError(f"task {task.name!r}: verifier settings: {e}") from None
         self.base_dir = task.dataset.path.parent
-        self._backend_forks = hasattr(open_sandbox(sandbox_backend, SandboxSpec()), "fork")
-        self._forming: dict[str, list[asyncio.Future[tuple[Sandbox, str]]]] = {}
+
+    @property
+    def shares_group_init(self) -> bool:
+        return self.settings.fork_groups
 
     @property
     def workspace(self) -> str:
@@ -87,41 +89,8 @@ class SweEnvironment(Environment):
 
     async def init(self, instance: TaskInstance) -> Episode:
         row = self.row(instance)
-        if self.settings.fork_groups and self._backend_forks:
-            sandbox, base = await self._group_member(instance, row)
-        else:
-            sandbox, base = await self._staged_sandbox(row)
+        sandbox, base = await self._staged_sandbox(row)
         return Episode(instance=instance, sandbox=sandbox, session={"base_commit": base})
-
-    async def _group_member(self, instance: TaskInstance, row: SweRow) -> tuple[Sandbox, str]:
-        """A sandbox forked from a staging shared by every init of the same instance that arrives before it is
-        done (the samples of a GRPO group are submitted together): the first stages, all get a fork of it."""
-        key = instance.model_dump_json()
-        waiting: asyncio.Future[tuple[Sandbox, str]] = asyncio.get_running_loop().create_future()
-        members = self._forming.get(key)
-        if members is not None:
-            members.append(waiting)
-            return await waiting
-        members = self._forming[key] = [waiting]
-        try:
-            parent, base = await self._staged_sandbox(row)
-        except BaseException as e:
-            del self._forming[key]
-            _fail(members[1:], e)
-            raise
-        del self._forming[key]  # later arrivals start a group of their own
-        try:
-            forks = await parent.fork(len(members), close=True)  # type: ignore[attr-defined]
-        except BaseException as e:
-            await asyncio.shield(parent.close())
-            _fail(members[1:], e)
-            raise
-        for member, fork in zip(members, forks, strict=True):
-            if member.done():  # its init was cancelled meanwhile
-                await asyncio.shield(fork.close())
-            else:
-                member.set_result((fork, base))
-        return await waiting
 
     async def collect(self, episode: Episode) -> Submission:
         if episode.sandbox is None:  # graded without a live sandbox (a Gym verify after its session closed)
@@ -173,8 +142,3 @@ class SweEnvironment(Environment):
             raise
         return sandbox, base
 
-
-def _fail(members: list[asyncio.Future[tuple[Sandbox, str]]], error: BaseException) -> None:
-    for member in members:
-        if not member.done():
-            member.set_exception(RuntimeError(f"the group's staging failed: {error!r}"))

@@ -59,9 +59,10 @@ class PipelineConfig(BaseModel):
     eval: StageConfig = StageConfig(workers=8, deadline_s=900)
     job_deadline_s: float | None = Field(None, gt=0, description="init + run + eval time of one rollout")
     max_live_sandboxes: int = Field(256, ge=1)
-    fork_groups: bool = Field(
-        False, description="a job's samples (a GRPO group) share one init, forked into one sandbox per sample (one "
-        "init, n forks: service/group_fork.py); where the task type and sandbox backend can fork, else one init each",
+    fork_groups: bool | None = Field(
+        None, description="a job's samples (a GRPO group) share one init, forked into one sandbox per sample (one "
+        "init, n forks: service/group_fork.py); where the task type and sandbox backend can fork, else one init each. "
+        "None: as the task's environment asks (Environment.shares_group_init: SWE's verifier.fork_groups)",
     )
 
 
@@ -171,19 +172,24 @@ class RolloutPipeline:
     # -- intake and cancel ---------------------------------------------------------------------------------------
 
     def submit(self, rollouts: Iterable[Rollout], group: bool = False) -> None:
-        """Start `rollouts`. With `group` (they are the samples of one instance) and ``fork_groups`` on, they share
-        one init where their environment can fork, in groups of at most ``max_live_sandboxes``."""
+        """Start `rollouts`. With `group` (they are the samples of one instance) and ``fork_groups`` on (or unset and
+        their environment asking for it), they share one init where their environment can fork, in groups of at most
+        ``max_live_sandboxes``."""
         rollouts = list(rollouts)
         for rollout in rollouts:
             self._live.add(rollout)
             rollout.trace.start()
-        if group and self.config.fork_groups and len(rollouts) > 1 and can_fork(rollouts[0].env):
+        if group and len(rollouts) > 1 and self._forks_groups(rollouts[0].env):
             size = self.config.max_live_sandboxes
             for i in range(0, len(rollouts), size):
                 self._enqueue("init", _Group(rollouts[i : i + size]))
         else:
             for rollout in rollouts:
                 self._enqueue("init", rollout)
+
+    def _forks_groups(self, env: Environment) -> bool:
+        wanted = self.config.fork_groups if self.config.fork_groups is not None else env.shares_group_init
+        return wanted and can_fork(env)
 
     async def cancel(self, rollout: Rollout) -> None:
         """End `rollout` as cancelled now: a running stage is interrupted, a held sandbox is closed."""
