@@ -1,5 +1,5 @@
 """What the sandbox and shell tests use on the host: temp dirs a sandbox can reach, process trees, an Apptainer
-sandbox's processes, processes by name, waiting to see one."""
+sandbox's processes, processes by name, waiting to see one, the mounts and loop devices under a dir."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -72,3 +73,23 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> No
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.01)
+
+
+def mounts_under(root: Path) -> list[str]:
+    """This process's mountinfo lines that name `root` (mounts at or below it)."""
+    return [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(root) in line]
+
+
+def loop_devices_under(root: Path) -> list[str]:
+    """Loop devices whose backing file is (or was, deleted) below `root`."""
+    listing = subprocess.run(["losetup", "--list", "--noheadings", "--output", "BACK-FILE"], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    return [line for line in listing.splitlines() if str(root) in line]
+
+
+async def assert_nothing_left(root: Path) -> None:
+    """No dir, mount or loop device of a sandbox below `root` (a disk's loop device goes in a thread of the closer:
+    looked at until gone)."""
+    assert sorted(p.name for p in root.iterdir()) == []
+    assert mounts_under(root) == []
+    await wait_until(lambda: not loop_devices_under(root))

@@ -6,13 +6,12 @@ that enter it need no host path of it, and host-side file I/O reaches it through
 
 from __future__ import annotations
 
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandbox_helpers import reachable_temp_dir, wait_until
+from sandbox_helpers import assert_nothing_left, loop_devices_under, mounts_under, reachable_temp_dir, wait_until
 
 from nemo_gym_prorl.sandbox import SandboxError, SandboxLimits, SandboxSpec
 from nemo_gym_prorl.sandbox.apptainer import ApptainerSandbox
@@ -23,28 +22,12 @@ pytestmark = pytest.mark.timeout(120)
 LIMITS = SandboxLimits(memory_mb=256, max_processes=32, wall_clock_s=60, disk_mb=48)
 
 
-def mounts_under(root: Path) -> list[str]:
-    return [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(root) in line]
-
-
-def loop_devices_under(root: Path) -> list[str]:
-    listing = subprocess.run(["losetup", "--list", "--noheadings", "--output", "BACK-FILE"], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
-    return [line for line in listing.splitlines() if str(root) in line]
-
-
 @pytest.fixture
 def root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """The service's temp dir: the sandbox's temp dir, and so its disk's image, is made in it."""
     with reachable_temp_dir() as path:
         monkeypatch.setattr(tempfile, "tempdir", str(path))
         yield path
-
-
-async def assert_nothing_left(root: Path) -> None:
-    assert sorted(p.name for p in root.iterdir()) == []
-    assert mounts_under(root) == []
-    await wait_until(lambda: not loop_devices_under(root))  # the kernel lets go of it in a thread of the closer
 
 
 async def test_a_running_instance_keeps_its_disk_out_of_the_hosts_mount_table(root: Path, sif: Path) -> None:

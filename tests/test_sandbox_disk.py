@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandbox_helpers import reachable_temp_dir, wait_until
+from sandbox_helpers import assert_nothing_left, loop_devices_under, mounts_under, reachable_temp_dir, wait_until
 
 from nemo_gym_prorl.sandbox import SandboxLimits, SandboxSpec
 from nemo_gym_prorl.sandbox.bwrap import BwrapSandbox, sweep_orphans
@@ -25,22 +25,6 @@ from nemo_gym_prorl.sandbox.disk import DiskSpares
 pytestmark = pytest.mark.timeout(120)
 
 LIMITS = SandboxLimits(memory_mb=256, max_processes=32, wall_clock_s=60)
-
-
-def mounts_under(root: Path) -> list[str]:
-    return [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(root) in line]
-
-
-def loop_devices_under(root: Path) -> list[str]:
-    listing = subprocess.run(["losetup", "--list", "--noheadings", "--output", "BACK-FILE"], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
-    return [line for line in listing.splitlines() if str(root) in line]
-
-
-async def assert_nothing_left(root: Path) -> None:
-    assert sorted(p.name for p in root.iterdir()) == []
-    assert mounts_under(root) == []
-    await wait_until(lambda: not loop_devices_under(root))  # the kernel lets go of them in a thread of the closer
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sandbox_helpers import reachable_temp_dir, wait_until
+from sandbox_helpers import assert_nothing_left, reachable_temp_dir, wait_until
 
 from nemo_gym_prorl.sandbox import SandboxLimits, SandboxSpec, open_sandbox
 from nemo_gym_prorl.sandbox.apptainer import reap_orphan_instances
@@ -69,15 +69,7 @@ async def host_temp(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Path]:
     with reachable_temp_dir() as root:
         monkeypatch.setattr(tempfile, "tempdir", str(root))
         yield root
-        assert sorted(p.name for p in root.iterdir()) == []
-        assert [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(root) in line] == []
-        await wait_until(lambda: not loop_devices_under(root))
-
-
-def loop_devices_under(root: Path) -> list[str]:
-    listing = subprocess.run(["losetup", "--list", "--noheadings", "--output", "BACK-FILE"], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
-    return [line for line in listing.splitlines() if str(root) in line]
+        await assert_nothing_left(root)
 
 
 @pytest.fixture(params=FILE_IO)

@@ -161,17 +161,21 @@ class SandboxDisk:
     def unmount(self, *, discard: bool = True) -> None:
         """Detach the filesystem (lazily: a process still holding a file in it keeps it alive, not the mount point)
         and drop it; its loop device is released with it. `discard`: its content is thrown away, not written back
-        first (see `shut_down`). Copies of it mounted elsewhere (`mount_copy`) stay until unmounted. Idempotent."""
-        self.detach()
-        fds = [self._root_fd, self._mount_fd, self._image_fd]
-        shut_down_fd = self._root_fd if discard else None
-        self._root_fd = self._mount_fd = self._image_fd = None
-        if any(fd is not None for fd in fds):
-            # The last references: closing them tears the filesystem and its loop device down (~10-20 ms) and frees
-            # the image's blocks on the host (~50 ms), so a thread of its own does it and closing does not wait.
-            release = threading.Thread(target=self._release, args=(shut_down_fd, fds), name="prorl-disk-release")
-            release.daemon = True
-            release.start()
+        first (see `shut_down`). Copies of it mounted elsewhere (`mount_copy`) stay until unmounted. Idempotent;
+        its references are dropped even when the detach fails (the mount point then keeps the filesystem)."""
+        try:
+            self.detach()
+        finally:
+            fds = [self._root_fd, self._mount_fd, self._image_fd]
+            shut_down_fd = self._root_fd if discard else None
+            self._root_fd = self._mount_fd = self._image_fd = None
+            if any(fd is not None for fd in fds):
+                # The last references: closing them tears the filesystem and its loop device down (~10-20 ms) and
+                # frees the image's blocks on the host (~50 ms), so a thread of its own does it and closing does not
+                # wait.
+                release = threading.Thread(target=self._release, args=(shut_down_fd, fds), name="prorl-disk-release")
+                release.daemon = True
+                release.start()
 
     @staticmethod
     def _release(shut_down_fd: int | None, fds: list[int | None]) -> None:
