@@ -5,8 +5,8 @@
 # Debian 12 has no apptainer package; Debian sid has one that needs a newer glibc (DESIGN.md §3). So: fetch the sid
 # `apptainer` and `libc6` debs with a private apt configuration (own sources list, lists and cache dirs) built from
 # the host's configured Debian mirror, unpack both into the prefix, point the `apptainer` and `starter` binaries at
-# that libc with patchelf, and write the relocated config (`systemd cgroups = no`) and state dirs. The host's apt
-# sources are only read, never changed. A second run finds the stamp and does nothing.
+# that libc with patchelf, and write the relocated config (`systemd cgroups = no`, shared loop devices) and state
+# dirs. The host's apt sources are only read, never changed. A second run finds the stamp and does nothing.
 #
 # Environment: PRORL_APPTAINER_PREFIX overrides the prefix (default: <repo>/.apptainer). Next to the prefix the
 # script keeps a lock file (<prefix>.lock) and, while it works, a stage dir (<prefix>.tmp.<pid>).
@@ -106,8 +106,13 @@ ln -s ../etc "$ROOT/usr/lib/etc"
 ln -s ../var "$ROOT/usr/lib/var"
 rm -rf "$ROOT/var" "$ROOT/usr/share/doc" "$ROOT/usr/share/man"
 conf="$ROOT/usr/etc/apptainer/apptainer.conf"
-sed -i -E 's/^#?[[:space:]]*systemd cgroups[[:space:]]*=.*/systemd cgroups = no/' "$conf"
-grep -qx 'systemd cgroups = no' "$conf" || echo 'systemd cgroups = no' >>"$conf"
+# Loop devices: every instance of one SIF shares one (without this, each instance mounts its SIF on a loop device of
+# its own), and Apptainer looks beyond the first 256 (bwrap sandboxes' disks hold one each, from the lowest free).
+for setting in 'systemd cgroups = no' 'shared loop devices = yes' 'max loop devices = 8192'; do
+  key=${setting% = *}
+  sed -i -E "s/^#?[[:space:]]*$key[[:space:]]*=.*/$setting/" "$conf"
+  grep -qx "$setting" "$conf" || echo "$setting" >>"$conf"
+done
 
 rm -rf "$PREFIX"
 mv -T "$ROOT" "$PREFIX"

@@ -6,6 +6,7 @@ that enter it need no host path of it, and host-side file I/O reaches it through
 
 from __future__ import annotations
 
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from sandbox_helpers import assert_nothing_left, loop_devices_under, mounts_unde
 from nemo_gym_prorl.sandbox import SandboxError, SandboxLimits, SandboxSpec
 from nemo_gym_prorl.sandbox.apptainer import ApptainerSandbox
 from nemo_gym_prorl.sandbox.base import BindMount
+from nemo_gym_prorl.sandbox.disk import SandboxDisk
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,3 +57,27 @@ async def test_a_start_that_fails_with_its_disk_attached_leaves_nothing(root: Pa
         async with ApptainerSandbox(SandboxSpec(image=str(sif), limits=LIMITS, binds=[missing])):
             pass
     await assert_nothing_left(root)
+
+
+async def test_instances_start_beside_hundreds_of_disks_and_share_their_image_loop_device(root: Path, sif: Path) -> None:
+    """With many bwrap sandboxes on a node, their disks hold the lowest loop devices (one each). Apptainer looked
+    only at the first 256 and mounted each instance's SIF on a device of its own: past ~256 sandboxes every
+    Apptainer start failed ("no loop devices available"). Our install shares one device per image and looks
+    further (`scripts/install_apptainer.sh`)."""
+    held = [SandboxDisk.make(root, 8, None) for _ in range(300)]  # as 300 bwrap sandboxes' disks hold them
+    try:
+        spec = SandboxSpec(image=str(sif), limits=LIMITS.model_copy(update={"disk_mb": None}))
+        async with ApptainerSandbox(spec) as first, ApptainerSandbox(spec) as second:
+            for sandbox in (first, second):
+                assert (await sandbox.run("echo up", 10)).output == "up\n"
+            assert len(loop_devices_backed_by(sif)) == 1
+    finally:
+        for disk in held:
+            disk.unmount()
+    await assert_nothing_left(root)
+
+
+def loop_devices_backed_by(image: Path) -> list[str]:
+    listing = subprocess.run(["losetup", "--list", "--noheadings", "--output", "BACK-FILE"], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    return [line for line in listing.splitlines() if line.strip() == str(image.resolve())]
