@@ -14,10 +14,11 @@ server (no sandbox of ours to fork), so its samples init one by one. Backends wi
 init one by one too. On Ray, the group's init runs on one rollout worker and its forks are made and held there
 (``RemoteEnvironment.fork``), each taking a sandbox slot of that worker.
 
-Whether to fork is the service's choice (``service.pipeline.fork_groups``), whether it can is the task type's and
-the backend's (``can_fork``): forking changes nothing a sample sees, only what its init costs and when the samples
-of a group start (together, once the shared init is done, with all n sandbox slots taken before it), which is a
-matter of the machine's load and the trainer's batch, not of the task.
+Whether it can fork is the task type's and the backend's (``can_fork``). Whether it does: the service's
+``service.pipeline.fork_groups`` when set; unset, each task's environment says (``Environment.shares_group_init``:
+where staging costs more than a fork, as SWE's repositories do). Forking changes nothing a sample sees, only what
+its init costs and when the samples of a group start (together, once the shared init is done, with all n sandbox
+slots taken before it).
 
 Members come and go independently: one that is cancelled or runs past its deadline while the group's init runs
 only stops waiting (the last one to go cancels the init, whose sandbox is closed); one that goes while the fork is
