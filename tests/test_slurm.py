@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from sandbox_helpers import loop_devices_under, wait_until
 from slurm_cluster import SlurmCluster, free_port, slurm_cluster
 from standin_helpers import running_standin
 
@@ -163,13 +164,14 @@ async def test_sbatch_serves_on_two_ray_nodes_and_scancel_leaves_no_process(
             assert sorted(cluster.node_of(p) for p in raylets) == on
             assert any("prorl serve" in name for name in started), started
             assert any(name.startswith(SANDBOX_PROCESS[sandbox]) for name in started), started  # the live rollouts
-            assert mounts_under(job_dir)  # their disks
+            assert loop_devices_under(job_dir)  # their disks (mounted only inside their sandboxes)
 
         cluster.run("scancel", job_id)
         gone, alive = psutil.wait_procs(live, timeout=3 * cluster.kill_wait_s + 30)
         assert names(alive) == []
         assert names(cluster.job_processes()) == []  # nothing started later either
         assert mounts_under(job_dir) == [] and not job_dir.exists()  # the sandboxes' disks and the job's folder
+        await wait_until(lambda: not loop_devices_under(job_dir), timeout=30)  # the kernel lets go of them
         assert cluster.wait_ended(job_id) == "CANCELLED"
     finally:  # a failed check leaves no job running into the next test or the temp dirs' removal
         cluster.cancel(job_id)
