@@ -2,8 +2,10 @@
 
 NeMo RL's `NemoGymDataset` takes a JSONL of Gym rows and hands each to Gym as it is: `responses_create_params`
 (the first prompt as the task renders it, and the tools when the model sees them as function schemas),
-`agent_ref` (which Gym agent runs the row: ours), `prorl_task` (which of the service's tasks it belongs to) and the
-instance's own columns, which the service reads the instance from. Rows that are Gym rows already (a task over a Gym
+`agent_ref` (which Gym agent runs the row: ours) and `task_source` (the config instance the rows belong to: that
+agent, which Gym resolves to itself; Gym warns that rows routed by `agent_ref` alone are a deprecated path),
+`prorl_task` (which of the service's tasks it belongs to) and the instance's own columns, which the service reads the
+instance from. Rows that are Gym rows already (a task over a Gym
 dataset) keep their prompt and tools.
 
 Splits come from the task YAML's `dataset`: a `validation_path` of their own, or else `validation_fraction` of
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 Split = Literal["train", "validation"]
 TASK_KEY = "prorl_task"  # the row's task, as the service's /run reads it
 AGENT_REF = "agent_ref"
+TASK_SOURCE = "task_source"
 
 USAGE = """usage: prorl data export task=TASK split=train|validation output=FILE.jsonl [key=value ...]
 
@@ -131,6 +134,7 @@ def _task_rows(task_name: str, request: ExportRequest) -> list[dict[str, Any]]:
             if tool_call_format == "codeact":  # the agent offers no function schemas to a CodeAct model
                 del row["responses_create_params"]["tools"]
         row[AGENT_REF] = {"type": "responses_api_agents", "name": request.agent}
+        row[TASK_SOURCE] = request.agent
         row[TASK_KEY] = task.name
         rows.append(row)
     return rows

@@ -7,6 +7,7 @@ import json
 import random
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,23 @@ def test_data_export_help_says_validation_sets_are_used_whole_and_errors_are_one
     with pytest.raises(SystemExit) as exit_:
         main(["data", "export", "task=nope", "split=train", "output=x.jsonl"])
     assert exit_.value.code == 2 and "unknown task 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("agent", ["prorl_agent", "prorl_service_agent"])
+def test_rows_route_through_gym_by_task_source_without_the_deprecated_path(agent: str) -> None:
+    """Gym's rollout collection warns that rows routed by their `agent_ref` alone are a deprecated path; exported
+    rows also name their `task_source` (the agent's config instance), which Gym's own resolution routes to that
+    agent when NeMo RL's stamping of `agent_ref` is gone."""
+    from nemo_gym.rollout_collection import RolloutCollectionHelper
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create({agent: {"responses_api_agents": {agent: {"entrypoint": "app.py"}}}})
+    rows = _rows(MATH, "train", agent=agent, limit=2)
+    assert all(row["task_source"] == agent for row in rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        RolloutCollectionHelper.resolve_task_sources(rows, config)  # as exported: agent_ref and task_source
+    for row in rows:
+        del row["agent_ref"]
+    RolloutCollectionHelper.resolve_task_sources(rows, config)
+    assert [row["agent_ref"] for row in rows] == [{"name": agent}] * 2

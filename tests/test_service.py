@@ -123,6 +123,8 @@ async def test_gym_run_returns_a_verify_response_nemo_rl_can_train_on(instant_mo
         "_rowidx": 7,
         "_ng_task_index": 3,
         "instance_config": {"seed": 3},  # a row's own, kept beside the mask
+        "agent_ref": {"type": "responses_api_agents", "name": "prorl_service_agent"},  # as `prorl data export`
+        "task_source": "prorl_service_agent",
     }
     async with service(instant_model, tmp_path) as svc, httpx.AsyncClient(base_url=svc.url, timeout=60) as http:
         first = (await http.post("/run", json=row)).json()

@@ -48,7 +48,7 @@ _FAILURE_KINDS = {
 }
 # Row keys that are Gym's bookkeeping, not task data. `responses_create_params` is task data: a Gym resources
 # server's task reads its prompt and tools there, and Gym's agents send it to /seed_session and /verify.
-_GYM_KEYS = {"agent_ref", "_ng_rollout_id"}
+_GYM_KEYS = {"agent_ref", "task_source", "_ng_rollout_id"}
 TASK_KEY = "prorl_task"  # not `task`: that is a column of some Gym datasets (iheval's verify dispatches on it)
 
 
