@@ -52,6 +52,12 @@ class RolloutService(Protocol):
 
     def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]: ...
 
+    async def pause_llm(self) -> None:
+        """Hold new model requests and return once none is in flight (a trainer's weight update)."""
+        ...
+
+    async def resume_llm(self) -> None: ...
+
 
 class RolloutClient:
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
@@ -151,6 +157,12 @@ class RolloutClient:
     async def add_llm_server(self, address: str) -> dict[str, Any]:
         return await self._call("POST", "/add_llm_server", {"address": address})
 
+    async def register_llm_servers(
+        self, addresses: list[str], model: str | None = None, replace: bool = False
+    ) -> dict[str, Any]:
+        """Model servers serving `model` (sent as each request's model name); with `replace`, the only ones."""
+        return await self._call("POST", "/add_llm_server", {"addresses": addresses, "model": model, "replace": replace})
+
     async def clear_llm_servers(self) -> None:
         await self._call("POST", "/clear_llm_server")
 
@@ -193,6 +205,12 @@ class LocalRolloutClient:
     async def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]:
         async for item in self._orchestrator.stream(job_id):
             yield item
+
+    async def pause_llm(self) -> None:
+        await self._orchestrator.pool.pause()
+
+    async def resume_llm(self) -> None:
+        self._orchestrator.pool.resume()
 
 
 class SyncRolloutClient:

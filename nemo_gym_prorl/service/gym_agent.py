@@ -71,11 +71,7 @@ def row_sampling(params: dict[str, Any]) -> SamplingParams:
 
 def gym_verify_response(row: GymRunRequest, trajectory: Trajectory, model: str) -> dict[str, Any]:
     verdict = trajectory.evaluation  # what the grader said beside the reward: a Gym server's own mask and failure
-    masked = (
-        trajectory.critical_error is not None
-        or any(m.get("mask") for m in trajectory.messages)
-        or bool(verdict.get("mask_sample"))
-    )
+    masked = trajectory.mask_reason() is not None
     response = {
         "id": f"resp_{trajectory.trajectory_id}",
         "object": "response",

@@ -58,13 +58,16 @@ class RolloutSink(Protocol):
     def add(self, trajectory: Trajectory) -> None: ...
 
 
-def in_process_service(config: RolloutJobConfig) -> ServiceConfig:
-    stage = StageConfig(workers=config.concurrency)
-    pipeline = PipelineConfig(init=stage, run=stage, eval=stage, max_live_sandboxes=config.concurrency)
+def in_process_service(
+    task: str, model: ModelConfig, sandbox: SandboxConfig, concurrency: int, tracing: TracingConfig | None = None
+) -> ServiceConfig:
+    """The service a command runs in its own process: one task, `concurrency` rollouts live, nothing stored."""
+    stage = StageConfig(workers=concurrency)
+    pipeline = PipelineConfig(init=stage, run=stage, eval=stage, max_live_sandboxes=concurrency)
     settings = ServiceSettings(
-        tasks=[config.task.name], store=Path(":memory:"), pipeline=pipeline, tracing=config.tracing
+        tasks=[task], store=Path(":memory:"), pipeline=pipeline, tracing=tracing or TracingConfig()
     )
-    return ServiceConfig(service=settings, model=config.model, sandbox=config.sandbox)
+    return ServiceConfig(service=settings, model=model, sandbox=sandbox)
 
 
 async def run_job(config: RolloutJobConfig, sink: RolloutSink | None = None) -> list[Trajectory]:
@@ -72,7 +75,8 @@ async def run_job(config: RolloutJobConfig, sink: RolloutSink | None = None) -> 
     instances = load_instances(task.dataset, config.limit)
     async with AsyncExitStack() as stack:
         if config.service.url is None:
-            runtime = await stack.enter_async_context(ServiceRuntime(in_process_service(config)))
+            service = in_process_service(config.task.name, config.model, config.sandbox, config.concurrency, config.tracing)
+            runtime = await stack.enter_async_context(ServiceRuntime(service))
             assert runtime.orchestrator is not None
             client = RolloutClient.in_process(runtime.orchestrator)
         else:

@@ -76,6 +76,19 @@ class Trajectory(BaseModel):
     def assistant_turns(self) -> list[dict[str, Any]]:
         return [m for m in self.messages if m.get("role") == "assistant" and "generation_token_ids" in m]
 
+    def mask_reason(self) -> str | None:
+        """Why a trainer must not learn from this rollout, or None: it failed for a reason that is not the policy's
+        (``critical_error``), a turn is masked (broken contiguity, a first turn generated alone), or the grader said
+        so (``mask_sample``). NeMo RL reads it as ``mask_sample``; the TRL adapter excludes such samples."""
+        if self.critical_error is not None:
+            return f"critical_error={self.critical_error}" + (f": {self.error}" if self.error else "")
+        masked = next((m for m in self.messages if m.get("mask")), None)
+        if masked is not None:
+            return f"a masked turn: {masked.get('contiguity_error') or masked.get('first_turn_only') or 'mask'}"
+        if self.evaluation.get("mask_sample"):
+            return f"the grader masked it: {self.evaluation.get('failure_reason') or 'mask_sample'}"
+        return None
+
 
 def contiguity_violation(turns: list[dict[str, Any]]) -> str | None:
     """Check NeMo RL's rule: every turn's prompt extends all tokens seen before it. None when it holds."""
