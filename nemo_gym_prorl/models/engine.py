@@ -25,6 +25,8 @@ from nemo_gym_prorl.models.llama_log import route_llama_logs
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+KvCacheType = Literal["f16", "f32"]
+_KV_CACHE_TYPES: dict[str, int] = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
 
 # Tokens whose logit is this far below the best have probability < e^-30 relative to it: never kept by top-p.
 _NEGLIGIBLE_LOGIT_GAP = 30.0
@@ -82,8 +84,12 @@ class LlamaEngine:
         n_threads: int | None = None,
         n_batch: int = 512,
         logprobs_mode: LogprobsMode = "raw_logprobs",
+        kv_cache_type: KvCacheType = "f16",
     ) -> None:
+        """`kv_cache_type` f32 keeps attention in fp32 throughout (an f16 cache rounds every key and value, and
+        the query with them): what an unquantized policy needs for log-probs that match its trainer's."""
         route_llama_logs()
+        kv_type = _KV_CACHE_TYPES[kv_cache_type]
         self.llama = llama_cpp.Llama(
             model_path=str(model_path),
             n_ctx=n_ctx,
@@ -91,6 +97,9 @@ class LlamaEngine:
             n_threads_batch=n_threads,
             n_batch=n_batch,
             logits_all=False,
+            flash_attn=False,
+            type_k=kv_type,
+            type_v=kv_type,
             verbose=False,
         )
         self.tokenizer = Tokenizer(self.llama)

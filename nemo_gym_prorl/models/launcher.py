@@ -17,7 +17,7 @@ import sys
 import threading
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import BaseModel
 
@@ -40,6 +40,7 @@ class LocalModelConfig(BaseModel):
     n_threads: int | None = None
     n_engines: int = 1
     logprobs_mode: str = "raw_logprobs"
+    kv_cache_type: Literal["f16", "f32"] = "f16"  # f32 for a policy whose log-probs must match its trainer's
     startup_timeout_s: float = 120.0
 
     def argv(self) -> list[str]:
@@ -50,6 +51,8 @@ class LocalModelConfig(BaseModel):
             args += ["--gguf", str(self.gguf)]
         if self.n_threads is not None:
             args += ["--n-threads", str(self.n_threads)]
+        if self.kv_cache_type != "f16":
+            args += ["--kv-cache-type", self.kv_cache_type]
         return args
 
 

@@ -211,6 +211,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--n-threads", type=int, default=os.cpu_count(), help="default: all cores")
     parser.add_argument("--n-engines", type=int, default=1, help="llama.cpp contexts serving requests in parallel")
     parser.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs")
+    parser.add_argument(
+        "--kv-cache-type", choices=["f16", "f32"], default="f16",
+        help="f32: attention in fp32 throughout (log-probs that match an unquantized policy's trainer)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -219,7 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     gguf = args.gguf or default_gguf()
     engines = [
-        LlamaEngine(gguf, n_ctx=args.n_ctx, n_threads=args.n_threads, logprobs_mode=args.logprobs_mode)
+        LlamaEngine(
+            gguf, n_ctx=args.n_ctx, n_threads=args.n_threads, logprobs_mode=args.logprobs_mode,
+            kv_cache_type=args.kv_cache_type,
+        )  # fmt: skip
         for _ in range(args.n_engines)
     ]
     sock = socket.create_server((args.host, args.port))
