@@ -6,13 +6,16 @@ ones llama.cpp computes by default) and sample in numpy, so the log-prob of each
 
 One engine owns one llama.cpp context and is not thread-safe; `EnginePool` hands engines to requests, preferring
 the idle engine whose KV cache already holds the longest prefix of the prompt (multi-turn rollouts re-send the
-whole conversation every turn).
+whole conversation every turn). The pool can swap in engines over new weights (a trainer's policy after a step)
+without any generation seeing two weight sets, and stamps each generation with the version of the weights that
+made it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -54,6 +57,7 @@ class Generation:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
     finish_reason: Literal["stop", "length", "abort"] = "length"
+    policy_version: int | None = None  # the pool's version of the weights that generated it
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -102,10 +106,15 @@ class LlamaEngine:
             type_v=kv_type,
             verbose=False,
         )
+        self.model_path = Path(model_path)
         self.tokenizer = Tokenizer(self.llama)
         self.n_ctx = n_ctx
         self.logprobs_mode = logprobs_mode
         self._n_vocab = self.llama.n_vocab()
+
+    def close(self) -> None:
+        """Free the llama.cpp context and model now (not when the garbage collector gets to them)."""
+        self.llama.close()
 
     def cached_prefix_len(self, prompt: list[int]) -> int:
         cached = self.llama.input_ids[: self.llama.n_tokens]
@@ -203,42 +212,96 @@ class LlamaEngine:
         return token, float(logprobs[token]), top
 
 
-class EnginePool:
-    """Hands each request an idle engine, best KV-cache prefix first; generation runs in a worker thread."""
+class PolicyLoadError(ValueError):
+    """New weights that cannot serve: not a readable GGUF, or another vocabulary."""
 
-    def __init__(self, engines: list[LlamaEngine]) -> None:
+
+class EnginePool:
+    """Hands each request an idle engine, best KV-cache prefix first; generation runs in a worker thread.
+
+    The pool's tokenizer is its own (the vocabulary of the first engines' GGUF), so it outlives any engine swap.
+    `policy_version` is stamped on every generation; `swap` replaces the engines and the version together."""
+
+    def __init__(self, engines: list[LlamaEngine], policy_version: int | None = None) -> None:
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
         self.engines = engines
+        self.policy_version = policy_version
+        self.tokenizer = Tokenizer.from_gguf(engines[0].model_path)
         self._idle = list(engines)
         self._available = asyncio.Condition()
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.engines[0].tokenizer
+        self._swapping = False
+        self._swap_lock = asyncio.Lock()
 
     @property
     def n_ctx(self) -> int:
         return self.engines[0].n_ctx
 
+    @property
+    def model_path(self) -> Path:
+        return self.engines[0].model_path
+
     async def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
         self.engines[0].check_fits(prompt, params.max_tokens)
         async with self._available:
-            await self._available.wait_for(lambda: bool(self._idle))
+            await self._available.wait_for(lambda: not self._swapping and bool(self._idle))
             engine = max(self._idle, key=lambda e: e.cached_prefix_len(prompt))
             self._idle.remove(engine)
+            version = self.policy_version  # the engine's weights stay until it is back: no swap before that
         abort = threading.Event()
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(None, engine.generate, prompt, params, abort)
         # The engine goes back only when its thread is really done, even if the request was cancelled.
         future.add_done_callback(lambda _: loop.create_task(self._release(engine)))
         try:
-            return await asyncio.shield(future)
+            gen = await asyncio.shield(future)
         except asyncio.CancelledError:
             abort.set()
             raise
+        gen.policy_version = version
+        return gen
 
     async def _release(self, engine: LlamaEngine) -> None:
         async with self._available:
             self._idle.append(engine)
-            self._available.notify()
+            self._available.notify_all()  # a swap waits for all engines, requests for one
+
+    async def swap(self, load: Callable[[], list[LlamaEngine]], policy_version: int | None) -> None:
+        """Serve from the engines `load` makes (in a worker thread) as `policy_version`. From the call on, new
+        generations wait; the ones running finish on the old engines, which are freed once all are idle. If `load`
+        fails, or makes engines of another vocabulary, the old engines go on serving and the error is raised."""
+        async with self._swap_lock:
+            async with self._available:
+                self._swapping = True
+            new: list[LlamaEngine] = []
+            try:
+                new = await asyncio.to_thread(load)
+                self._check_compatible(new)
+                async with self._available:
+                    await self._available.wait_for(lambda: len(self._idle) == len(self.engines))
+                    old, self.engines, self._idle, new = self.engines, new, list(new), []
+                    self.policy_version = policy_version
+            finally:
+                async with self._available:
+                    self._swapping = False
+                    self._available.notify_all()
+                if new:  # not swapped in (failed, or cancelled while waiting)
+                    await asyncio.to_thread(_close_all, new)
+            await asyncio.to_thread(_close_all, old)
+
+    def _check_compatible(self, engines: list[LlamaEngine]) -> None:
+        if not engines:
+            raise PolicyLoadError("no engines were loaded")
+        theirs, ours = engines[0].tokenizer, self.tokenizer
+        if (theirs.vocab_size, theirs.bos_token_id, theirs.eos_token_id) != (
+            ours.vocab_size, ours.bos_token_id, ours.eos_token_id,
+        ) or theirs.chat_template.source != ours.chat_template.source:  # fmt: skip
+            raise PolicyLoadError(
+                f"{engines[0].model_path} has another vocabulary or chat template than the served model "
+                f"({self.model_path}): new weights must keep the tokenizer"
+            )
+
+
+def _close_all(engines: list[LlamaEngine]) -> None:
+    for engine in engines:
+        engine.close()

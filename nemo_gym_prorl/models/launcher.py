@@ -41,6 +41,7 @@ class LocalModelConfig(BaseModel):
     n_engines: int = 1
     logprobs_mode: str = "raw_logprobs"
     kv_cache_type: Literal["f16", "f32"] = "f16"  # f32 for a policy whose log-probs must match its trainer's
+    policy_version: int | None = None  # stamped on every generation; POST /policy/load changes it
     startup_timeout_s: float = 120.0
 
     def argv(self) -> list[str]:
@@ -53,6 +54,8 @@ class LocalModelConfig(BaseModel):
             args += ["--n-threads", str(self.n_threads)]
         if self.kv_cache_type != "f16":
             args += ["--kv-cache-type", self.kv_cache_type]
+        if self.policy_version is not None:
+            args += ["--policy-version", str(self.policy_version)]
         return args
 
 

@@ -7,6 +7,12 @@ Token information, by what the request asks for:
 - Earlier assistant messages that carry their ``prompt_token_ids`` + ``generation_token_ids`` are spliced back as
   the exact prefix of the new prompt (NeMo RL's ``required_prefix_token_ids``), so a multi-turn conversation's
   tokens never drift from what the model really saw and produced.
+
+Policy versions (a trainer's live weights): a server started with ``--policy-version N`` stamps every generation
+with the version of the weights that made it (``policy_version`` on the completions choice, on the chat message,
+and at the top level; absent when the server has none). ``POST /policy/load {"gguf": path, "version": N}`` swaps
+in new weights: generations running finish on the old ones, requests arriving meanwhile wait and run on the new.
+``GET /policy`` says which weights serve.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -24,8 +31,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
-from nemo_gym_prorl.models.engine import ContextLengthError, EnginePool, Generation, LlamaEngine
+from nemo_gym_prorl.models.engine import ContextLengthError, EnginePool, Generation, LlamaEngine, PolicyLoadError
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.openai_api import (
     ChatCompletionRequest,
@@ -87,7 +95,32 @@ def _usage(gen: Generation) -> dict[str, int]:
     }
 
 
-def create_app(pool: EnginePool, served_model_name: str) -> FastAPI:
+class PolicyLoadRequest(BaseModel):
+    gguf: str
+    version: int
+
+
+EngineLoader = Callable[[Path], list[LlamaEngine]]
+
+
+def _stamp(target: dict[str, Any], gen: Generation) -> None:
+    if gen.policy_version is not None:
+        target["policy_version"] = gen.policy_version
+
+
+def _readable_gguf(path: Path) -> None:
+    """A one-line PolicyLoadError unless `path` is a readable file that starts like a GGUF."""
+    try:
+        with path.open("rb") as file:
+            magic = file.read(4)
+    except OSError as e:
+        raise PolicyLoadError(f"cannot read {path}: {e.strerror or e}") from None
+    if magic != b"GGUF":
+        raise PolicyLoadError(f"{path} is not a GGUF file")
+
+
+def create_app(pool: EnginePool, served_model_name: str, load_engines: EngineLoader | None = None) -> FastAPI:
+    """`load_engines(path)`: engines over another GGUF, made as the pool's were (for ``/policy/load``)."""
     tokenizer = pool.tokenizer
     app = FastAPI(title="nemo-gym-prorl local model server")
 
@@ -108,6 +141,30 @@ def create_app(pool: EnginePool, served_model_name: str) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/policy")
+    async def policy() -> dict[str, Any]:
+        return {"version": pool.policy_version, "gguf": str(pool.model_path)}
+
+    @app.post("/policy/load")
+    async def load_policy(request: PolicyLoadRequest) -> dict[str, Any]:
+        if load_engines is None:
+            raise PolicyLoadError("this server cannot load new weights")
+        path = Path(request.gguf)
+        _readable_gguf(path)
+        started = time.perf_counter()
+
+        def load() -> list[LlamaEngine]:
+            try:
+                return load_engines(path)
+            except PolicyLoadError:
+                raise
+            except Exception as e:  # llama.cpp's ValueError, a RuntimeError, MemoryError...: one line, a 400
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise PolicyLoadError(f"cannot load {path}: {why}") from None
+
+        await pool.swap(load, request.version)
+        return {"version": request.version, "gguf": str(path), "load_s": round(time.perf_counter() - started, 3)}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -143,6 +200,7 @@ def create_app(pool: EnginePool, served_model_name: str) -> FastAPI:
                 message["prompt_token_ids"] = gen.prompt_token_ids
                 message["generation_token_ids"] = gen.token_ids
                 message["generation_log_probs"] = gen.log_probs
+        _stamp(message, gen)
         body: dict[str, Any] = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -151,6 +209,7 @@ def create_app(pool: EnginePool, served_model_name: str) -> FastAPI:
             "choices": [choice],
             "usage": _usage(gen),
         }
+        _stamp(body, gen)
         if request.return_token_ids:
             body["prompt_token_ids"] = gen.prompt_token_ids
             choice["token_ids"] = gen.token_ids
@@ -162,6 +221,7 @@ def create_app(pool: EnginePool, served_model_name: str) -> FastAPI:
         top = request.logprobs or 0
         gen = await pool.generate(list(prompt), request.sampling_params(top))
         choice: dict[str, Any] = {"index": 0, "text": gen.text, "finish_reason": gen.finish_reason, "logprobs": None}
+        _stamp(choice, gen)
         if request.logprobs is not None:
             as_ids = request.return_tokens_as_token_ids
             choice["logprobs"] = {
@@ -178,6 +238,7 @@ def create_app(pool: EnginePool, served_model_name: str) -> FastAPI:
             "choices": [choice],
             "usage": _usage(gen),
         }
+        _stamp(body, gen)
         if request.return_token_ids:
             choice["prompt_token_ids"] = gen.prompt_token_ids
             choice["token_ids"] = gen.token_ids
@@ -215,6 +276,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--kv-cache-type", choices=["f16", "f32"], default="f16",
         help="f32: attention in fp32 throughout (log-probs that match an unquantized policy's trainer)",
     )  # fmt: skip
+    parser.add_argument("--policy-version", type=int, default=None, help="stamped on every generation")
     return parser.parse_args(argv)
 
 
@@ -222,13 +284,23 @@ def main(argv: list[str] | None = None) -> None:
     """Serve until killed; prints ``PRORL_MODEL_SERVER_READY <port>`` once requests are accepted."""
     args = _parse_args(argv)
     gguf = args.gguf or default_gguf()
-    engines = [
-        LlamaEngine(
-            gguf, n_ctx=args.n_ctx, n_threads=args.n_threads, logprobs_mode=args.logprobs_mode,
-            kv_cache_type=args.kv_cache_type,
-        )  # fmt: skip
-        for _ in range(args.n_engines)
-    ]
+
+    def load_engines(path: Path) -> list[LlamaEngine]:
+        engines: list[LlamaEngine] = []
+        try:
+            for _ in range(args.n_engines):
+                engines.append(
+                    LlamaEngine(
+                        path, n_ctx=args.n_ctx, n_threads=args.n_threads, logprobs_mode=args.logprobs_mode,
+                        kv_cache_type=args.kv_cache_type,
+                    )
+                )  # fmt: skip
+        except BaseException:
+            for engine in engines:
+                engine.close()
+            raise
+        return engines
+
     sock = socket.create_server((args.host, args.port))
     port = sock.getsockname()[1]
 
@@ -237,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{READY_LINE} {port}", flush=True)
         yield
 
-    app = create_app(EnginePool(engines), args.served_model_name)
+    app = create_app(EnginePool(load_engines(gguf), args.policy_version), args.served_model_name, load_engines)
     app.router.lifespan_context = announce
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 

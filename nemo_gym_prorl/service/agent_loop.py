@@ -46,6 +46,8 @@ def _assistant_message(turn: Turn, parsed: ParsedReply, previous: Turn | None) -
         "generation_log_probs": turn.generation_log_probs,
         "finish_reason": turn.finish_reason,
     }
+    if turn.policy_version is not None:
+        message["policy_version"] = turn.policy_version
     if parsed.tool_calls:
         message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
     if previous is not None:

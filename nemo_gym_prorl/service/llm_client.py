@@ -89,6 +89,7 @@ class Turn(BaseModel):
     text: str
     finish_reason: str
     server_message: dict[str, Any] | None = None  # chat mode: the message as the server parsed it
+    policy_version: int | None = None  # the version of the weights that generated it, when the server says
 
 
 def _sampling_body(sampling: SamplingParams) -> dict[str, Any]:
@@ -173,6 +174,7 @@ class TokenInTokenOut:
                 generation_log_probs=choice["logprobs"]["token_logprobs"],
                 text=choice["text"],
                 finish_reason=choice["finish_reason"],
+                policy_version=choice.get("policy_version"),
             )
         )
 
@@ -221,6 +223,7 @@ class ChatCompletions:
                 text=message.get("content") or "",
                 finish_reason=choice["finish_reason"],
                 server_message=message,
+                policy_version=message.get("policy_version"),
             )
         )
 
