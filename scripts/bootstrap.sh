@@ -84,7 +84,7 @@ if [ "$(cat "$VENV/.llama-cpp-build" 2>/dev/null)" != "$llama_key" ]; then
 fi
 
 # nemo-gym declares Python >= 3.13.14, newer than any interpreter here; it runs on 3.13.0 (DESIGN.md §3).
-"$VENV/bin/python" -m pip install -q --ignore-requires-python -e '.[test]'
+"$VENV/bin/python" -m pip install -q --ignore-requires-python -e '.[test,train]'
 echo "$fingerprint" > "$STAMP"
 echo "bootstrap: done"
 

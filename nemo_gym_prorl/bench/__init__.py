@@ -19,7 +19,7 @@ def _lazy(module: str) -> Callable[[list[str]], None]:
 
 BENCHMARKS: dict[str, Callable[[list[str]], None]] = {
     name: _lazy(name)
-    for name in ("model", "pipeline", "scale", "tools", "sandbox", "throughput", "swe", "code", "viewer")
+    for name in ("model", "pipeline", "scale", "tools", "sandbox", "throughput", "swe", "code", "viewer", "train")
 }
 
 
