@@ -225,8 +225,8 @@ def test_bad_task_files_stop_at_once_naming_the_problem(yaml_text: str, message:
 
 def test_unknown_command_and_help() -> None:
     assert "usage: prorl" in prorl("--help").stdout
-    result = prorl("train")
-    assert result.returncode == 2 and "unknown command 'train'" in result.stderr
+    result = prorl("fly")
+    assert result.returncode == 2 and "unknown command 'fly'" in result.stderr
 
 
 def test_pipeline_benchmark_runs_and_ends_with_its_ratio() -> None:

@@ -24,9 +24,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.service.trajectory import Trajectory
 from nemo_gym_prorl.train.base_model import hf_model_dir
-from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.train.trl_adapter import trajectory_sample
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,7 +145,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     second = start(run_dir, "trainer.max_steps=3", "resume=true")
     poll(lambda: second.sandboxes() or second.process.poll() is not None, STEP_TIMEOUT_S, "the third step's sandboxes")
     second.process.send_signal(signal.SIGTERM)
-    stopped_status, _ = second.finish(60)
+    stopped_status, _ = second.finish(120)  # a busy machine: the policy server may finish a turn first (10 s grace)
     left = still_alive(second.seen)
 
     third = start(run_dir, "trainer.max_steps=3", "resume=true")
