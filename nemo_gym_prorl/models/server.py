@@ -46,6 +46,7 @@ from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.tool_calls import parse_hermes
 
 READY_LINE = "PRORL_MODEL_SERVER_READY"
+STOP_GRACE_S = 1.0
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, request: ChatCompletionRequest) -> list[int]:
@@ -311,7 +312,10 @@ def main(argv: list[str] | None = None) -> None:
 
     app = create_app(EnginePool(load_engines(gguf), args.policy_version), args.served_model_name, load_engines)
     app.router.lifespan_context = announce
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    # Stopped (SIGTERM, or the parent's death signal), a generation in flight is cut within a second instead of run to
+    # its end: uvicorn cancels the request, and the engine stops at its next token.
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=STOP_GRACE_S)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":
