@@ -161,6 +161,13 @@ def serve(cfg: DictConfig) -> None:
 
 
 def train(cfg: DictConfig) -> None:
+    from nemo_gym_prorl.train.grpo import sigterm_exits
+
+    with sigterm_exits():  # from the start: a SIGTERM during start-up also unwinds what was started
+        _train(cfg)
+
+
+def _train(cfg: DictConfig) -> None:
     from nemo_gym_prorl.models.llama_log import route_llama_logs
     from nemo_gym_prorl.startup import check_sandbox_backend
     from nemo_gym_prorl.train.grpo import TrainConfig, TrainSetupError, plan, summary_lines, train_policy

@@ -37,7 +37,7 @@ PRORL = [sys.executable, "-m", "nemo_gym_prorl.cli", "train"]
 SEED = 0
 SMALL = [
     "task=stem/arithmetic_choice_train", f"seed={SEED}", "trainer.num_generations=4",
-    "trainer.per_device_train_batch_size=8", "trainer.save_steps=1", "trainer.learning_rate=1e-4", "max_tokens=40",
+    "trainer.per_device_train_batch_size=8", "trainer.save_steps=1", "trainer.save_total_limit=null", "trainer.learning_rate=1e-4", "max_tokens=40",
     "heldout.limit=1", "heldout.k=1", "concurrency=4",
 ]  # fmt: skip
 STEP_TIMEOUT_S = 240
@@ -70,7 +70,11 @@ class Run:
         return found
 
     def sandboxes(self) -> list[psutil.Process]:
-        return [p for p in self.descendants() if _name(p) == "bwrap"]
+        """Rollout sandboxes: once the policy server runs (before it, a sandbox is start-up's backend check)."""
+        found = self.descendants()
+        if not any("nemo_gym_prorl.models.server" in " ".join(_cmdline(p)) for p in found):
+            return []
+        return [p for p in found if _name(p) == "bwrap"]
 
     def watch(self) -> None:
         """Keep recording descendants until stopped (so short-lived ones are counted too)."""
@@ -88,6 +92,13 @@ class Run:
         finally:
             self.stop_watch.set()
         return self.process.returncode, out
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
 
 
 def _name(process: psutil.Process) -> str:
@@ -228,11 +239,16 @@ def test_env_mask_is_zero_exactly_on_what_the_environment_wrote(runs: Runs):
 
 
 def test_a_killed_sandbox_does_not_train_and_does_not_crash_the_step(runs: Runs):
-    failed = [t for t in rollouts(runs.run_dir, 1) if t.mask_reason() is not None]
-    assert failed, "the killed sandbox's rollout came back as a plain result"
-    assert all(t.critical_error is not None for t in failed)
-    step_1 = next(m for m in metrics(runs.run_dir) if m["step"] == 2 and "reward" in m)  # logged after step 1's update
-    assert step_1["prorl/excluded"] > 0
+    """One of step 1's sandboxes was killed mid-step: the step still trains on all its samples' results, and a
+    rollout the kill broke (its next tool call found no sandbox) comes back with a critical_error and does not train.
+    A stem rollout that made no tool call after the kill never needed its sandbox again, and is a plain result."""
+    assert not psutil.pid_exists(runs.killed_sandbox) or psutil.Process(runs.killed_sandbox).status() == "zombie"
+    step_1 = rollouts(runs.run_dir, 1)
+    assert len(step_1) == 8  # 2 groups of 4: the kill lost no result
+    failed = [t for t in step_1 if t.mask_reason() is not None]
+    assert all(t.critical_error is not None and trajectory_sample(t, 2).reward is None for t in failed)
+    logged = next(m for m in metrics(runs.run_dir) if m["step"] == 2 and "reward" in m)  # after step 1's update
+    assert logged["prorl/excluded"] == len(failed) / len(step_1)
 
 
 def test_sigterm_mid_step_leaves_no_process_and_resume_continues(runs: Runs):

@@ -176,7 +176,7 @@ def plan(config: TrainConfig, task: TaskConfig) -> TrainPlan:
 
 
 @contextlib.contextmanager
-def _sigterm_exits() -> Iterator[None]:
+def sigterm_exits() -> Iterator[None]:
     """SIGTERM ends training as Ctrl-C does: through every `finally`, so no sandbox, server or job is left."""
 
     def stop(signum: int, frame: Any) -> None:
@@ -347,7 +347,7 @@ def train_policy(plan: TrainPlan) -> TrainSummary:
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(hf_model_dir(source))
     version = int(plan.resume_from.name.split("-")[1]) if plan.resume_from else 0
-    with _sigterm_exits(), LoopThread() as loop:
+    with LoopThread() as loop:
         run = _Run(plan, loop, model, tokenizer, version)
         try:
             loop.run(run.start())
