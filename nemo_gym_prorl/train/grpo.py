@@ -267,18 +267,19 @@ class _Run:
             await self.client.resume_llm()
 
     def keep_rollouts(self, step: int, trajectories: list[Trajectory]) -> None:
-        _write_jsonl(self.run_dir / "rollouts" / f"step-{step:06d}.jsonl", trajectories)
+        _write_jsonl(step_file(self.run_dir / "rollouts", step), trajectories)
 
     def evaluate(self, trainer: Any) -> None:
         """The held-out rows at this step's weights, recorded in metrics.jsonl and heldout/step-K.jsonl."""
         from nemo_gym_prorl.train.heldout import HeldOutResult
 
         held = self.plan.config.heldout
-        if not self.plan.heldout or (self.run_dir / "heldout" / f"step-{trainer.state.global_step:06d}.jsonl").exists():
+        done = step_file(self.run_dir / "heldout", trainer.state.global_step)
+        if not self.plan.heldout or done.exists():
             return
         step = self.sync_weights(trainer)
         trajectories = self.loop.run(self.rollouts.rollouts(self.plan.heldout, held.k, held.seed))
-        _write_jsonl(self.run_dir / "heldout" / f"step-{step:06d}.jsonl", trajectories)
+        _write_jsonl(done, trajectories)
         result = HeldOutResult.of(step, trajectories)
         self.record({"step": step, "heldout/reward": result.mean, "heldout/ci95": result.ci95,
                      "heldout/rows": len(result.rows), "heldout/excluded": result.excluded})  # fmt: skip
@@ -291,6 +292,11 @@ class _Run:
         with self.metrics_path.open("a") as metrics:
             metrics.write(json.dumps(entry) + "\n")
         plot_rewards(read_metrics(self.metrics_path), self.run_dir / "reward.png", self.plan.task.name)
+
+
+def step_file(folder: Path, step: int) -> Path:
+    """Where a run folder keeps one step's trajectories (rollouts/, heldout/)."""
+    return folder / f"step-{step:06d}.jsonl"
 
 
 def _write_jsonl(path: Path, trajectories: list[Trajectory]) -> None:
@@ -370,16 +376,13 @@ def train_policy(plan: TrainPlan) -> TrainSummary:
     )  # fmt: skip
 
 
-def read_jsonl(path: Path) -> list[Trajectory]:
-    return [Trajectory.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def held_out_results(run_dir: Path) -> list[Any]:
     """Every held-out evaluation the run folder keeps (resumed runs included), in step order."""
+    from nemo_gym_prorl.reverify import load_rollouts
     from nemo_gym_prorl.train.heldout import HeldOutResult
 
     files = sorted((run_dir / "heldout").glob("step-*.jsonl"))
-    return [HeldOutResult.of(int(f.stem.split("-")[1]), read_jsonl(f)) for f in files]
+    return [HeldOutResult.of(int(f.stem.split("-")[1]), load_rollouts(f)) for f in files]
 
 
 def summary_lines(summary: TrainSummary) -> list[str]:
