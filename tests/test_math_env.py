@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
 import pytest
 
 from nemo_gym_prorl.envs.math import grade_answer
@@ -70,3 +76,47 @@ def test_math_verify_time_limits_hold_off_the_main_thread() -> None:
     worker.start()
     worker.join()
     assert len(errors) == 1 and "not parseable" in str(errors[0])
+
+
+SERVICE = """
+import signal, sys, threading, time
+from nemo_gym_prorl.envs.math import grade_answer
+
+def stop(signum, frame):  # a service's graceful stop: it takes a moment, as uvicorn's and Ray's do
+    time.sleep(1)
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, stop)
+grader = threading.Thread(target=grade_answer, args=("\\\\boxed{2}", "2"))
+grader.start()
+grader.join()
+print("graded", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_service_stopped_by_sigterm_leaves_no_grading_process_behind() -> None:
+    """Slurm's scancel and systemd signal a service's whole process group: its grading workers die with it, and
+    none is started while it goes down (a pool that refilled itself started a forkserver that outlived it)."""
+    service = subprocess.Popen([sys.executable, "-c", SERVICE], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        assert service.stdout.readline().strip() == "graded"
+        group = [p for p in psutil.process_iter() if _group_of(p) == service.pid]
+        assert len(group) > 2  # the service, its forkserver and a worker at least
+        os.killpg(service.pid, signal.SIGTERM)
+        _, alive = psutil.wait_procs(group, timeout=30)
+        assert alive == []
+        assert [p.cmdline() for p in psutil.process_iter() if _group_of(p) == service.pid] == []
+    finally:
+        for process in psutil.process_iter():
+            if _group_of(process) == service.pid:
+                process.kill()
+        service.wait()
+
+
+def _group_of(process: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(process.pid)
+    except OSError:
+        return None

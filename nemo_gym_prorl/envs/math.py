@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import queue
 import threading
-from multiprocessing.pool import Pool
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -58,43 +60,84 @@ def _grade(answer: str | None, expected: str, timeout: int | None) -> dict[str, 
     return {"reward": 1.0 if correct else 0.0, "resolved": correct, "details": details}
 
 
-class _WorkerPool:
-    """Processes whose main thread runs math-verify, for callers off the main thread."""
+def _serve(connection: Connection) -> None:
+    """A worker's loop: grade each (answer, expected) it is sent until its caller hangs up; what a grade raises
+    (a gold that is not math) goes back to be raised in the caller."""
+    while True:
+        try:
+            answer, expected = connection.recv()
+        except EOFError:
+            return
+        try:
+            connection.send(_grade(answer, expected, TIMEOUT_S))
+        except Exception as error:
+            connection.send(error)
 
-    def __init__(self) -> None:
+
+class _WorkerPool:
+    """Processes whose main thread runs math-verify, for callers off the main thread.
+
+    A worker is started only when a grade needs one, and one that dies or wedges is killed, never replaced behind
+    the caller's back: ``multiprocessing.Pool`` refills itself from a helper thread, so a service stopped by a signal
+    that reached its workers first started new ones (and a new forkserver) while it went down, which outlived it."""
+
+    def __init__(self, size: int) -> None:
+        self._slots = threading.BoundedSemaphore(size)
+        self._idle: queue.SimpleQueue[tuple[BaseProcess, Connection]] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._pool: Pool | None = None
+        self._live: set[BaseProcess] = set()
+        atexit.register(self.close)
 
     def run(self, answer: str | None, expected: str) -> dict[str, Any]:
-        with self._lock:
-            if self._pool is None:
-                context = multiprocessing.get_context("forkserver")
-                context.set_forkserver_preload([__name__])  # workers fork with math-verify already imported
-                self._pool = context.Pool(_WORKERS)
-                atexit.register(self.close)
-            pool = self._pool
-        pending = pool.apply_async(_grade, (answer, expected, TIMEOUT_S))
-        try:
-            return pending.get(timeout=3 * TIMEOUT_S + 10)  # parse gold, parse answer, verify; then it is wedged
-        except multiprocessing.TimeoutError:
-            with self._lock:
-                if self._pool is pool:
-                    self._pool = None
-            pool.terminate()
+        with self._slots:
+            process, connection = self._take()
+            try:
+                connection.send((answer, expected))
+                if connection.poll(3 * TIMEOUT_S + 10):  # parse gold, parse answer, verify; then it is wedged
+                    result = connection.recv()
+                    self._idle.put((process, connection))
+                    if isinstance(result, Exception):
+                        raise result
+                    return result
+            except (EOFError, OSError) as error:
+                self._kill(process, connection)
+                raise RuntimeError(f"math grading worker {process.pid} died: {error!r}") from error
+            self._kill(process, connection)
             return {"reward": 0.0, "resolved": False,
                     "details": {"reason": "grading timed out", "answer": answer, "expected": expected}}
 
+    def _take(self) -> tuple[BaseProcess, Connection]:
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])  # workers fork with math-verify already imported
+        connection, child = context.Pipe()
+        process = context.Process(target=_serve, args=(child,), name="prorl-math-grader", daemon=True)
+        with self._lock:
+            process.start()
+            self._live.add(process)
+        child.close()
+        return process, connection
+
+    def _kill(self, process: BaseProcess, connection: Connection) -> None:
+        connection.close()
+        process.kill()
+        process.join()
+        with self._lock:
+            self._live.discard(process)
 
     def close(self) -> None:
-        """Stop the workers (at exit: a pool left to the garbage collector errs during interpreter shutdown)."""
+        """Stop the workers (at exit: left to the garbage collector they err during interpreter shutdown)."""
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+            live, self._live = self._live, set()
+        for process in live:
+            process.kill()
+            process.join()
 
 
-_WORKER_POOL = _WorkerPool()
+_WORKER_POOL = _WorkerPool(_WORKERS)
 
 
 def grade_answer(answer: str | None, expected: str) -> Evaluation:
