@@ -62,7 +62,7 @@ class Environment(ABC):
         except KeyError as e:
             raise ValueError(f"task {self.task.name!r}: prompt_template needs column {e} missing from the row") from None
         system = [{"role": "system", "content": self.task.system_prompt}] if self.task.system_prompt else []
-        return [*system, {"role": "user", "content": user}]
+        return [*system, *self.task.example_messages(), {"role": "user", "content": user}]
 
     @property
     def workspace(self) -> str:

@@ -85,7 +85,8 @@ class SweEnvironment(Environment):
         except KeyError as e:
             raise SweRowError(f"row {row.instance_id}: the prompt template needs field {e}") from None
         system = [{"role": "system", "content": self.task.system_prompt.format(workdir=self.settings.workdir)}]
-        return [*(system if self.task.system_prompt else []), {"role": "user", "content": user}]
+        opening = [*(system if self.task.system_prompt else []), *self.task.example_messages()]
+        return [*opening, {"role": "user", "content": user}]
 
     async def init(self, instance: TaskInstance) -> Episode:
         row = self.row(instance)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from nemo_gym_prorl.sandbox.base import SandboxLimits
 from nemo_gym_prorl.tool_calls import ToolCallFormatName
@@ -27,6 +27,7 @@ class TaskConfigError(ValueError):
 
 
 class DatasetConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     path: Path = Field(description="JSONL or parquet file; relative paths are relative to the task YAML")
     id_key: str | None = Field(None, description="column holding the instance id; the row index when unset")
     validation_path: Path | None = Field(None, description="the validation split's own file; `path` is then train")
@@ -36,12 +37,25 @@ class DatasetConfig(BaseModel):
     )  # fmt: skip
 
 
+class ExampleMessage(BaseModel):
+    """One message of a worked example: a user's question or observation, or the assistant's reply."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str
+
+
 class TaskConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not a silent default
     name: str
     type: Literal["math", "gym", "code", "stem", "swe"]
     dataset: DatasetConfig
     system_prompt: str = ""
     prompt_template: str = Field("", description="str.format template over the dataset row's columns")
+    examples: list[ExampleMessage] = Field(
+        default_factory=list, description="a worked conversation (user, assistant, user, ..., assistant) between the "
+        "system prompt and the task's prompt: a small model follows turns it has seen far better than instructions",
+    )  # fmt: skip
     tools: list[str] = Field(default_factory=list)
     tool_call_format: ToolCallFormatName | None = Field(None, description="overrides the model's default")
     max_turns: int = Field(8, ge=1)
@@ -49,6 +63,18 @@ class TaskConfig(BaseModel):
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     verifier: dict[str, Any] = Field(default_factory=dict, description="settings of the task type's grader")
     resources_server_url: str | None = Field(None, description="type gym: the NeMo Gym resources server")
+
+    @field_validator("examples")
+    @classmethod
+    def _turns_alternate(cls, examples: list[ExampleMessage]) -> list[ExampleMessage]:
+        roles = [message.role for message in examples]
+        if roles != ["user", "assistant"] * (len(roles) // 2):
+            raise ValueError("examples must alternate user, assistant, ... and end with the assistant's reply")
+        return examples
+
+    def example_messages(self) -> list[dict[str, Any]]:
+        """The worked example as chat messages, to go before the task's prompt."""
+        return [message.model_dump() for message in self.examples]
 
 
 def task_path(name: str, search_dirs: Sequence[Path] = ()) -> Path:
@@ -74,14 +100,7 @@ def load_task(name: str, search_dirs: Sequence[Path] = ()) -> TaskConfig:
     if not path.is_file():
         known = ", ".join(known_tasks(search_dirs))
         raise TaskConfigError(f"unknown task {name!r}: no {path}; known tasks: {known}")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise TaskConfigError(f"task file {path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-    if not isinstance(raw, dict):
-        raise TaskConfigError(f"task file {path} must hold a mapping, got {type(raw).__name__}")
+    raw = _task_mapping(path, search_dirs, ())
     try:
         task = TaskConfig.model_validate(raw)
     except ValidationError as e:
@@ -90,11 +109,42 @@ def load_task(name: str, search_dirs: Sequence[Path] = ()) -> TaskConfig:
         raise TaskConfigError(f"task file {path}: field {field!r}: {first['msg']}") from None
     for key in ("path", "validation_path"):
         file = getattr(task.dataset, key)
-        if file is None:
-            continue
-        if not file.is_absolute():
-            file = (path.parent / file).resolve()
-            setattr(task.dataset, key, file)
-        if not file.is_file():
+        if file is not None and not file.is_file():
             raise TaskConfigError(f"task {task.name!r}: dataset file {file} does not exist")
     return task
+
+
+def _task_mapping(path: Path, search_dirs: Sequence[Path], seen: tuple[Path, ...]) -> dict[str, Any]:
+    """A task file's mapping, laid over the task it `extends` (mappings merged key by key, anything else replaced),
+    its dataset files made absolute against the file that names them."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise TaskConfigError(f"task file {path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(raw, dict):
+        raise TaskConfigError(f"task file {path} must hold a mapping, got {type(raw).__name__}")
+    dataset = raw.get("dataset")
+    if isinstance(dataset, dict):
+        for key in ("path", "validation_path"):
+            if isinstance(dataset.get(key), str):
+                dataset[key] = (path.parent / dataset[key]).resolve()
+    base = raw.pop("extends", None)
+    if base is None:
+        return raw
+    base_path = task_path(base, search_dirs) if isinstance(base, str) else None
+    if base_path is None or not base_path.is_file():
+        raise TaskConfigError(f"task file {path}: field 'extends': expected the name of a task, got {base!r}")
+    if base_path.resolve() in seen:
+        raise TaskConfigError(f"task file {path}: field 'extends': {base!r} extends itself")
+    return _merged(_task_mapping(base_path, search_dirs, (*seen, path.resolve())), raw)
+
+
+def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            value = _merged(merged[key], value)
+        merged[key] = value
+    return merged

@@ -10,7 +10,7 @@ from __future__ import annotations
 import posixpath
 from typing import Protocol, Self
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 WORKSPACE = "/workspace"
 """Where a sandbox's workspace is mounted unless its spec says otherwise (`SandboxSpec.workspace`)."""
@@ -19,6 +19,8 @@ _RESERVED = ("/proc", "/dev", "/tmp", "/sys", "/.prorl")
 
 class SandboxLimits(BaseModel):
     """Resource limits applied to everything that runs inside one sandbox."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt limit would silently be no limit
 
     wall_clock_s: float = Field(1800.0, gt=0, description="lifetime of the sandbox; past it, it is killed")
     memory_mb: int = Field(2048, gt=0, description="address-space limit of each process inside")
