@@ -9,6 +9,7 @@ from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
 from nemo_gym_prorl.envs.mcqa_grading import read_choice
 from nemo_gym_prorl.envs.stem import final_answer, grade_value
 from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.envs.units import UnitParseError, parse_quantity
 
 ROW = {
     "options": [{"A": "Karyotyping"}, {"B": "Polymerase Chain Reaction (PCR)"}, {"C": "Southern blotting"},
@@ -75,6 +76,38 @@ def test_template_regex_comes_first_and_any_number_of_options_works() -> None:
 def test_numeric_answers_with_units(reply: str, expected: str, correct: bool) -> None:
     evaluation = grade_value(reply, expected, rel_tol=1e-2)
     assert evaluation.resolved is correct, evaluation.details
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected", "correct"),
+    [
+        ("\\boxed{10 + 1}", "10", False),  # was read as 10 with the "unit" + 1
+        ("\\boxed{10+1}", "10", False),
+        ("\\boxed{-3 + 1}", "-3", False),
+        ("\\boxed{2494.2 + 1 J}", "2494.2 J", False),
+        ("\\boxed{10 + 1}", "11", True),  # an expression: math-verify evaluates it
+        ("\\boxed{10 (1)}", "10", False),
+    ],
+)
+def test_a_number_then_arithmetic_is_never_that_number(reply: str, expected: str, correct: bool) -> None:
+    evaluation = grade_value(reply, expected, rel_tol=1e-2)
+    assert evaluation.resolved is correct, evaluation.details
+
+
+@pytest.mark.parametrize("text", ["10 + 1", "10+1", "-3 + 1", "2494.2 + 1 J", "10 (1)", "5 m + 2", "4 2"])
+def test_a_unit_is_no_arithmetic_continuation(text: str) -> None:
+    with pytest.raises(UnitParseError):
+        parse_quantity(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "unit"),
+    [("5 \\frac{1}{s}", "1 / s"), ("5 m**-1", "1 / m"), ("2 m^2 s^{-1}", "m ** 2 / s"),
+     ("6.674 \\times 10^{-11} \\text{N m^2 kg^{-2}}", "m ** 2 * N / kg ** 2"), ("3 m^{+2}", "m ** 2"),
+     ("-3 \\, ^\\circ C", "°C")],
+)
+def test_units_with_exponents_still_parse(text: str, unit: str) -> None:
+    assert f"{parse_quantity(text).units:~}" == unit
 
 
 def test_wrong_unit_says_so_and_tolerance_edges_hold() -> None:

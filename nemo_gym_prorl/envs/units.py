@@ -34,6 +34,9 @@ _LATEX_REPLACEMENTS = [  # in this order: degrees and exponents before the wrapp
     (re.compile(r"\\left|\\right|\$"), ""),
 ]
 _TEMPERATURE = re.compile(r"\bdeg\s*([CFK])\b")
+_EXPONENT = re.compile(r"\*\*\s*\(?\s*[-+]?\d+(?:\.\d+)?(?:\s*/\s*\d+)?\s*\)?")  # m**2, s**(-1), m**(1/2)
+_ONE_OVER = re.compile(r"(?<![\w.)])\(?\s*1\s*\)?\s*/")  # 1/s, and (1)/(s) from \frac{1}{s}
+_ARITHMETIC = re.compile(r"[\d+-]")
 
 
 class UnitParseError(ValueError):
@@ -60,11 +63,21 @@ def parse_quantity(text: str) -> pint.Quantity:
     if match is None:
         raise UnitParseError(f"not a number with a unit: {text!r}")
     value, unit = float(match.group(1)), match.group(2).strip()
+    if _is_arithmetic(unit):
+        raise UnitParseError(f"not a number with a unit: {text!r} goes on with arithmetic ({unit!r})")
     registry = _registry()
     try:
         return registry.Quantity(value, registry.parse_units(unit) if unit else registry.dimensionless)
     except Exception as e:  # pint parses free text with Python's tokenizer: PintError, SyntaxError, TokenError, ...
         raise UnitParseError(f"unknown unit {unit!r} in {text!r}: {e}") from None
+
+
+def _is_arithmetic(unit: str) -> bool:
+    """Whether what follows the number holds a number or a sign outside an exponent (or a 1 over units).
+
+    pint reads ``+ 1`` as a dimensionless unit and ``+ 1 J`` as joules, so ``10 + 1`` would be 10: such a reply is
+    an expression for math-verify, or wrong, never the number it starts with."""
+    return _ARITHMETIC.search(_ONE_OVER.sub("/", _EXPONENT.sub("", unit))) is not None
 
 
 def compare_quantities(expected: pint.Quantity, got: pint.Quantity, rel_tol: float) -> str | None:
