@@ -108,10 +108,13 @@ def test_the_answer_is_a_named_file_or_the_last_code_block() -> None:
     assert submitted_file("solution.py") == "solution.py"
     assert submitted_file("`/workspace/src/sol.py`") == "src/sol.py"
     assert submitted_file("I wrote solution.py") is None
-    messages = [{"role": "assistant", "content": "```python\nprint(1)\n```"}, {"role": "user", "content": "ok"}]
+    example = [{"role": "assistant", "content": "```python\nprint(0)\n```"}, {"role": "user", "content": "Solve:"}]
+    generated = {"role": "assistant", "content": "```python\nprint(1)\n```", "generation_token_ids": [1]}
+    messages = [*example, generated, {"role": "user", "content": "ok"}]
     assert submitted_code("Here:\n```\nprint(2)\n```\nand\n```python\nprint(3)\n```", messages) == (
         "print(3)\n", "answer code block")
     assert submitted_code("done", messages) == ("print(1)\n", "last python block")
+    assert submitted_code("done", example) == (None, "none")  # a worked example's code is not the model's answer
     assert submitted_code(None, []) == (None, "none")
 
 

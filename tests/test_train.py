@@ -36,7 +36,7 @@ PRORL = [sys.executable, "-m", "nemo_gym_prorl.cli", "train"]
 # were). test_two_steps_change_the_weights says so if a change elsewhere makes them equal.
 SEED = 0
 SMALL = [
-    "task=stem/arithmetic_choice_train", f"seed={SEED}", "trainer.num_generations=4",
+    "task=math/arithmetic_train", f"seed={SEED}", "trainer.num_generations=4",
     "trainer.per_device_train_batch_size=8", "trainer.save_steps=1", "trainer.save_total_limit=null", "trainer.learning_rate=1e-4", "max_tokens=40",
     "heldout.limit=1", "heldout.k=1", "concurrency=4",
 ]  # fmt: skip
@@ -241,7 +241,7 @@ def test_env_mask_is_zero_exactly_on_what_the_environment_wrote(runs: Runs):
 def test_a_killed_sandbox_does_not_train_and_does_not_crash_the_step(runs: Runs):
     """One of step 1's sandboxes was killed mid-step: the step still trains on all its samples' results, and a
     rollout the kill broke (its next tool call found no sandbox) comes back with a critical_error and does not train.
-    A stem rollout that made no tool call after the kill never needed its sandbox again, and is a plain result."""
+    A rollout that made no tool call after the kill never needed its sandbox again, and is a plain result."""
     assert not psutil.pid_exists(runs.killed_sandbox) or psutil.Process(runs.killed_sandbox).status() == "zombie"
     step_1 = rollouts(runs.run_dir, 1)
     assert len(step_1) == 8  # 2 groups of 4: the kill lost no result

@@ -22,7 +22,7 @@ from nemo_gym_prorl.train.plot import read_metrics
 
 # What the measured run used (README "Training", docs/training.md); each can be overridden on the command line.
 DEFAULTS = [
-    "task=stem/arithmetic_choice_train",
+    "task=math/arithmetic_train",
     "trainer.max_steps=16",
     "trainer.learning_rate=5e-5",
     "max_tokens=64",

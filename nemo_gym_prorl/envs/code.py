@@ -43,11 +43,13 @@ def submitted_file(answer: str | None) -> str | None:
 
 
 def submitted_code(answer: str | None, messages: list[dict[str, Any]]) -> tuple[str | None, str]:
-    """(code, where it came from) from the final answer, else from the last python block of the episode."""
+    """(code, where it came from) from the final answer, else from the last python block the model generated (never
+    from a task's worked example, which is an assistant message the model did not write)."""
     if answer and (block := final_code_block(answer)) is not None:
         return block, "answer code block"
     for message in reversed(messages):
-        if message.get("role") == "assistant" and isinstance(message.get("content"), str):
+        generated = message.get("role") == "assistant" and "generation_token_ids" in message
+        if generated and isinstance(message.get("content"), str):
             blocks = _PYTHON_BLOCK.findall(message["content"])
             if blocks:
                 return blocks[-1], "last python block"

@@ -2,7 +2,7 @@
 
 - algebra / geometry / decimals.jsonl: reasoning-gym's simple_equations, simple_geometry, decimal_arithmetic.
 - one_step_equations.jsonl: simple_equations at its easiest (x + a = b, x - a = b, values 1..9).
-- arithmetic_choice.jsonl (and arithmetic_choice_train.jsonl, 640 rows for `prorl bench train`): basic_arithmetic (two terms, one or two digits) as four-option multiple choice in Gym's
+- arithmetic_choice.jsonl: basic_arithmetic (two terms, one or two digits) as four-option multiple choice in Gym's
   mcqa row schema, the distractors near misses (off by one or ten, the sign flipped, the other operation), each
   letter right equally often; the choice is a boxed letter or a reply opening with one ("C: -157").
 - units.jsonl: physics word problems with units (speed, force, kinetic energy), the gold answer a quantity and
@@ -26,7 +26,6 @@ import resources_servers.mcqa
 
 DATA = Path(__file__).parent / "data"
 SIZE = 32
-TRAIN_SIZE = 640  # arithmetic_choice_train: enough held-out rows (15%) for an interval that can exclude zero
 SEED = 2026
 
 
@@ -79,10 +78,10 @@ def _distractors(question: str, answer: int, rng: random.Random) -> list[int]:
 CHOICE_REGEX = [r"\\boxed\{\s*\(?([A-D])\)?\s*\}", r"\A\s*\(?([A-D])\)?\s*[:.)]"]
 
 
-def choice_rows(size: int = SIZE) -> list[dict]:
+def choice_rows() -> list[dict]:
     rng = random.Random(SEED)
     items = reasoning_gym.create_dataset(
-        "basic_arithmetic", size=size, seed=SEED, min_terms=2, max_terms=2, min_digits=1, max_digits=2,
+        "basic_arithmetic", size=SIZE, seed=SEED, min_terms=2, max_terms=2, min_digits=1, max_digits=2,
         operators=("+", "-"))
     rows = []
     for i, item in enumerate(items):
@@ -122,7 +121,6 @@ def main() -> None:
         "simple_equations", "one-step", min_terms=2, max_terms=2, min_value=1, max_value=9,
         operators=("+", "-"), operators_weights=[0.5, 0.5]))
     write_jsonl(DATA / "arithmetic_choice.jsonl", choice_rows())
-    write_jsonl(DATA / "arithmetic_choice_train.jsonl", choice_rows(TRAIN_SIZE))
     write_jsonl(DATA / "geometry.jsonl", reasoning_gym_rows("simple_geometry", "geometry"))
     write_jsonl(DATA / "decimals.jsonl", reasoning_gym_rows("decimal_arithmetic", "decimals", rel_tol=1e-6))
     write_jsonl(DATA / "units.jsonl", unit_rows())
