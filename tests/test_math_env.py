@@ -40,6 +40,30 @@ def test_an_unparseable_expected_answer_is_an_error_not_a_zero() -> None:
         grade_answer("\\boxed{1}", "@@@")
 
 
+@pytest.mark.parametrize(
+    ("answer", "correct"),
+    [
+        ("<think>brief reasoning</think>8", True),
+        ("<think>brief reasoning</think>\n\\boxed{8}", True),
+        ("the chat template opened the trace: 3 + 5</think>8", True),
+        ("<think>8</think>7", False),
+        ("<think>\\boxed{8}</think>\nno idea", False),
+        ("<think>so x = 8</think>\nI give up", False),
+        ("<thinking>so x = 8</thinking>\nI give up", False),
+    ],
+)
+def test_a_reasoning_trace_is_not_graded(answer: str, correct: bool) -> None:
+    """Gym's graders strip <think>...</think> (and a trace whose opening tag was the template's) first."""
+    grade = grade_answer(answer, "8")
+    assert grade.resolved is correct, grade.details
+
+
+@pytest.mark.parametrize("answer", ["<think>8", "<think>so x = \\boxed{8}", "<think>a</think>b<think>x = 8"])
+def test_a_reply_cut_off_inside_its_trace_has_no_answer(answer: str) -> None:
+    grade = grade_answer(answer, "8")
+    assert grade.reward == 0.0 and grade.details["reason"] in ("unparseable answer", "only a reasoning trace")
+
+
 def test_grading_works_off_the_main_thread() -> None:
     """Services grade in worker threads too; math-verify's SIGALRM timeout must not break that."""
     import threading

@@ -126,6 +126,36 @@ def test_final_answer_is_the_last_box_else_the_last_answer_line() -> None:
 
 
 @pytest.mark.parametrize(
+    ("reply", "expected", "correct"),
+    [
+        ("<think>brief reasoning</think>8", "8", True),
+        ("<think>8</think>7", "8", False),
+        ("<think>8", "8", False),  # cut off inside its trace: no answer
+        ("<think>\\boxed{5 m/s}</think>Answer: 3 m/s", "3 m/s", True),
+        ("<think>so 3 m/s</think>\nI give up", "3 m/s", False),
+        ("the template opened it: 3 m/s</think>\\boxed{3 m/s}", "3 m/s", True),
+    ],
+)
+def test_a_reasoning_trace_is_not_graded(reply: str, expected: str, correct: bool) -> None:
+    evaluation = grade_value(reply, expected, rel_tol=1e-2)
+    assert evaluation.resolved is correct, evaluation.details
+
+
+@pytest.mark.parametrize(
+    ("mode", "reply", "choice"),
+    [
+        ("strict_single_letter_boxed", "<think>maybe \\boxed{B}</think>I am not sure.", None),
+        ("strict_single_letter_boxed", "<think>\\boxed{A}</think>\\boxed{B}", "B"),
+        ("strict_single_letter_boxed", "<think>so \\boxed{B}", None),
+        ("lenient_answer_colon", "<think>Answer: A?</think>Answer: B", "B"),
+        ("boxed_or_answer_colon", "<think>Answer: B</think>no idea", None),
+    ],
+)
+def test_a_choice_inside_the_reasoning_trace_is_not_read(mode: str, reply: str, choice: str | None) -> None:
+    assert read_choice(reply, ROW, mode) == choice
+
+
+@pytest.mark.parametrize(
     ("task", "full", "zero", "malformed"),
     [
         ("stem/gym_mcqa_example", "\\boxed{{{gold}}}", "\\boxed{{Z}}", "I am not sure."),

@@ -2,8 +2,8 @@
 
 Gold answers are read the way NeMo Gym's ``math_with_judge`` reads them: outer ``\\( \\)`` or ``$ $`` taken off,
 the rest parsed as the content of a ``\\boxed{}`` (so raw LaTeX such as ``2\\sqrt{3}`` is math, not text). The
-reply is parsed as Gym parses it (expressions and LaTeX); unlike Gym, a reply need not box its answer: the
-``finish`` tool's plain ``-6`` is an answer here.
+reply, its reasoning trace taken off (`strip_reasoning`), is parsed as Gym parses it (expressions and LaTeX); unlike
+Gym, a reply need not box its answer: the ``finish`` tool's plain ``-6`` is an answer here.
 
 math-verify bounds its parsing and comparing with SIGALRM, which only a process's main thread can use. On the main
 thread it runs here; anywhere else (a service's worker threads) it runs in a worker process's main thread, and a
@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import queue
+import re
 import threading
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -29,6 +30,20 @@ TIMEOUT_S = 5
 _GOLD_CONFIG = [LatexExtractionConfig()]
 _ANSWER_CONFIG = [ExprExtractionConfig(), LatexExtractionConfig()]
 _WORKERS = 2
+_TRACE_BLOCKS = [re.compile(r"<think>.*?</think>", re.DOTALL), re.compile(r"<thinking>.*?</thinking>", re.DOTALL)]
+_TRACE_OPENED_BY_TEMPLATE = [re.compile(r"^.*?</think>", re.DOTALL), re.compile(r"^.*?</thinking>", re.DOTALL)]
+_TRACE_LEFT_OPEN = re.compile(r"<think>|<thinking>")
+
+
+def strip_reasoning(reply: str) -> str:
+    """The reply without its reasoning trace, which is never graded: Gym's graders take off ``<think>...</think>``
+    and ``<thinking>...</thinking>`` blocks, then everything up to a closing tag whose opening tag was the chat
+    template's. A trace still open at the end (the reply was cut off while reasoning) goes too, as Gym's arena
+    drops it: a number inside it is no answer."""
+    for pattern in _TRACE_BLOCKS + _TRACE_OPENED_BY_TEMPLATE:
+        reply = pattern.sub("", reply)
+    left_open = _TRACE_LEFT_OPEN.search(reply)
+    return reply[: left_open.start() if left_open else None].strip()
 
 
 def gold_as_boxed(expected: str) -> str:
@@ -47,6 +62,9 @@ def _grade(answer: str | None, expected: str, timeout: int | None) -> dict[str, 
     gold = parse(gold_as_boxed(expected), _GOLD_CONFIG, parsing_timeout=timeout)
     if not any(not isinstance(g, str) for g in gold):  # only math-verify's raw-string fallback
         raise ValueError(f"expected answer {expected!r} is not parseable by math-verify")
+    answer = strip_reasoning(answer)
+    if not answer:
+        return {"reward": 0.0, "resolved": False, "details": {"reason": "only a reasoning trace"}}
     predicted = parse(answer, _ANSWER_CONFIG, parsing_timeout=timeout)
     if not predicted:
         return {"reward": 0.0, "resolved": False, "details": {"reason": "unparseable answer", "answer": answer}}

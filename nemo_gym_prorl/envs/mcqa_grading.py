@@ -24,6 +24,8 @@ import re
 import unicodedata
 from typing import Any, Literal
 
+from nemo_gym_prorl.envs.math import strip_reasoning
+
 GradingMode = Literal[
     "strict_single_letter_boxed", "lenient_boxed", "lenient_answer_colon", "lenient_answer_colon_md",
     "boxed_or_answer_colon",
@@ -163,7 +165,9 @@ def _custom_regex(text: str, patterns: str | list[str], letters: dict[str, str])
 
 
 def read_choice(text: str, row: dict[str, Any], mode: GradingMode) -> str | None:
-    """The option letter a reply chose, read as `mode` (and the row's template regex) says; None for none."""
+    """The option letter a reply chose, read as `mode` (and the row's template regex) says; None for none. The
+    reply's reasoning trace is never read: a letter in it is no choice."""
+    text = strip_reasoning(text)
     letters = option_letters(row.get("options"))
     template = row.get("template_metadata") or {}
     if "output_regex" in template and (letter := _custom_regex(text, template["output_regex"], letters)):

@@ -6,7 +6,8 @@ has its gold answer in ``verifier.answer_key`` (default ``answer``): when that i
 the reply's final answer (its last ``\\boxed{}``, else its last ``Answer:``, else the whole reply) must be one
 too, of the same dimension, equal after conversion within the row's ``rel_tol`` (or ``verifier.rel_tol``); a gold
 that is no such number (``\\frac{\\sqrt3}{2}``, ``x^2+1``) is graded by math-verify as the math type grades, and
-so is a unitless reply the unit parser cannot read (``\\frac{1}{2}`` for 0.5).
+so is a unitless reply the unit parser cannot read (``\\frac{1}{2}`` for 0.5). Every reading starts past the
+reply's reasoning trace (``<think>...</think>``, `strip_reasoning`): nothing inside it is graded.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from nemo_gym_prorl.envs.base import Episode, Evaluation, Submission
 from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.math import grade_answer
+from nemo_gym_prorl.envs.math import grade_answer, strip_reasoning
 from nemo_gym_prorl.envs.mcqa_grading import GradingMode, last_boxed, read_choice
 from nemo_gym_prorl.envs.row_prompt import GymRowPrompt
 from nemo_gym_prorl.envs.task import TaskConfig
@@ -60,7 +61,7 @@ def grade_value(text: str, expected: str, rel_tol: float) -> Evaluation:
         gold = parse_quantity(expected)
     except UnitParseError:
         return _symbolic(text, expected)
-    answer = final_answer(text)
+    answer = final_answer(strip_reasoning(text))
     try:
         got = parse_quantity(answer)
     except UnitParseError:
