@@ -10,7 +10,10 @@ import sys
 import psutil
 import pytest
 
+from nemo_gym_prorl.envs import make_environment
+from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.envs.math import grade_answer
+from nemo_gym_prorl.envs.task import load_task
 
 
 @pytest.mark.parametrize("answer", ["\\boxed{-6}", "The answer is $-6$.", "-6", "so x = \\boxed{-6.0}"])
@@ -62,6 +65,19 @@ def test_a_reasoning_trace_is_not_graded(answer: str, correct: bool) -> None:
 def test_a_reply_cut_off_inside_its_trace_has_no_answer(answer: str) -> None:
     grade = grade_answer(answer, "8")
     assert grade.reward == 0.0 and grade.details["reason"] in ("unparseable answer", "only a reasoning trace")
+
+
+async def test_a_gold_that_is_not_math_is_a_one_line_error_naming_the_row() -> None:
+    """A free-text gold (Gym's equivalence rows) is refused, not scored 0: one line naming task, row and column."""
+    env = make_environment(load_task("math/arithmetic"), "bwrap")
+    gold = "Danny Casey played football for Ireland,\nand later coached in the League of Ireland. " * 20
+    instance = TaskInstance(instance_id="row-7", data={"question": "Who?", "answer": gold})
+    with pytest.raises(ValueError) as error:
+        await env.grade(instance, {"answer": "\\boxed{1}"})
+    message = str(error.value)
+    assert "\n" not in message and len(message) < 300, message
+    assert "math/arithmetic" in message and "row-7" in message and "'answer'" in message, message
+    assert "not parseable by math-verify" in message
 
 
 def test_grading_works_off_the_main_thread() -> None:

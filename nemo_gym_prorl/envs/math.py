@@ -17,6 +17,8 @@ import multiprocessing
 import queue
 import re
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -33,6 +35,26 @@ _WORKERS = 2
 _TRACE_BLOCKS = [re.compile(r"<think>.*?</think>", re.DOTALL), re.compile(r"<thinking>.*?</thinking>", re.DOTALL)]
 _TRACE_OPENED_BY_TEMPLATE = [re.compile(r"^.*?</think>", re.DOTALL), re.compile(r"^.*?</thinking>", re.DOTALL)]
 _TRACE_LEFT_OPEN = re.compile(r"<think>|<thinking>")
+
+
+class GoldNotMath(ValueError):
+    """The gold answer is no math that math-verify reads (free text, as in Gym's equivalence rows). The row is
+    refused, never scored 0: its rollout fails at eval with this error, where a silent 0 would look like the
+    policy's fault and teach it nothing."""
+
+
+def _excerpt(text: str, limit: int = 60) -> str:
+    line = " ".join(text.split())
+    return repr(line if len(line) <= limit else line[: limit - 3] + "...")
+
+
+@contextmanager
+def gold_named(task: str, instance_id: str, column: str) -> Iterator[None]:
+    """A GoldNotMath raised inside names its row: met mid-run, the error says which row and column to fix."""
+    try:
+        yield
+    except GoldNotMath as error:
+        raise GoldNotMath(f"task {task!r}, instance {instance_id!r}, column {column!r}: {error}") from None
 
 
 def strip_reasoning(reply: str) -> str:
@@ -61,7 +83,7 @@ def _grade(answer: str | None, expected: str, timeout: int | None) -> dict[str, 
         return {"reward": 0.0, "resolved": False, "details": {"reason": "no answer submitted"}}
     gold = parse(gold_as_boxed(expected), _GOLD_CONFIG, parsing_timeout=timeout)
     if not any(not isinstance(g, str) for g in gold):  # only math-verify's raw-string fallback
-        raise ValueError(f"expected answer {expected!r} is not parseable by math-verify")
+        raise GoldNotMath(f"gold answer {_excerpt(expected)} is not parseable by math-verify")
     answer = strip_reasoning(answer)
     if not answer:
         return {"reward": 0.0, "resolved": False, "details": {"reason": "only a reasoning trace"}}
@@ -160,7 +182,7 @@ _WORKER_POOL = _WorkerPool(_WORKERS)
 
 def grade_answer(answer: str | None, expected: str) -> Evaluation:
     """Right, wrong or unparseable, with the parses that decided it; math-verify's time limits hold on any thread.
-    ValueError when the expected answer itself is not math."""
+    GoldNotMath (a ValueError) when the expected answer itself is not math."""
     if threading.current_thread() is threading.main_thread():
         return Evaluation.model_validate(_grade(answer, expected, TIMEOUT_S))
     return Evaluation.model_validate(_WORKER_POOL.run(answer, expected))
@@ -172,6 +194,7 @@ class MathEnvironment(Environment):
         await episode.sandbox.write_file("problem.txt", problem.encode())
 
     async def grade(self, instance: TaskInstance, submission: Submission) -> Evaluation:
-        expected = str(instance.data[self.task.verifier.get("answer_key", "answer")])
+        column = self.task.verifier.get("answer_key", "answer")
         # On the event loop's thread: its main thread in our services, where math-verify's own limits hold.
-        return grade_answer(submission.get("answer"), expected)
+        with gold_named(self.task.name, instance.instance_id, column):
+            return grade_answer(submission.get("answer"), str(instance.data[column]))

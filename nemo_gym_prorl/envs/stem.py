@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from nemo_gym_prorl.envs.base import Episode, Evaluation, Submission
 from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.math import grade_answer, strip_reasoning
+from nemo_gym_prorl.envs.math import grade_answer, gold_named, strip_reasoning
 from nemo_gym_prorl.envs.mcqa_grading import GradingMode, last_boxed, read_choice
 from nemo_gym_prorl.envs.row_prompt import GymRowPrompt
 from nemo_gym_prorl.envs.task import TaskConfig
@@ -112,4 +112,6 @@ class StemEnvironment(GymRowPrompt):
         if self.settings.answer_key not in row:
             raise ValueError(f"task {self.task.name!r}, instance {instance.instance_id}: the row has neither options "
                              f"with an expected_answer nor a {self.settings.answer_key!r} column")
-        return grade_value(text, str(row[self.settings.answer_key]), float(row.get("rel_tol") or self.settings.rel_tol))
+        rel_tol = float(row.get("rel_tol") or self.settings.rel_tol)
+        with gold_named(self.task.name, instance.instance_id, self.settings.answer_key):
+            return grade_value(text, str(row[self.settings.answer_key]), rel_tol)
