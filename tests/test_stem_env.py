@@ -155,6 +155,59 @@ def test_a_choice_inside_the_reasoning_trace_is_not_read(mode: str, reply: str, 
     assert read_choice(reply, ROW, mode) == choice
 
 
+CHEMISTRY = {"options": [{"A": "CO"}, {"B": "Co"}, {"C": "CO2"}, {"D": "H2O"}], "expected_answer": "B"}
+
+
+@pytest.mark.parametrize(
+    ("reply", "choice"),
+    [
+        ("<choice>B</choice>", "B"),
+        ("<choice>Co</choice>", "B"),
+        ("<choice>CO</choice>", "A"),
+        ("<choice>co</choice>", None),  # case names the formula: neither CO nor Co
+        ("<answer>CO₂</answer>", "C"),
+        ("Reasoning.\nAnswer: B", "B"),
+        ("Cobalt is the metal here.\nCo", "B"),  # the option's text alone on the last line
+        ("The answer is D.", "D"),
+        ("\\boxed{\\text{B}}", "B"),
+        ("<choice>H2O</choice>\nOn reflection:\nAnswer: B", "B"),  # the last answer wins
+        ("Answer: A or B", None),
+        ("<choices><choice>CO</choice><choice>Co</choice></choices>", None),  # the prompt's list echoed
+        ("I think it is cobalt.", None),
+    ],
+)
+def test_bunsenbench_reading(reply: str, choice: str | None) -> None:
+    assert read_choice(reply, CHEMISTRY, "choice_tag_or_answer") == choice
+
+
+async def test_a_task_reads_bunsenbench_rows_when_its_verifier_says_so() -> None:
+    config = load_task("stem/gym_mcqa_example").model_copy(update={"verifier": {"grading_mode": "choice_tag_or_answer"}})
+    env = make_environment(config, "bwrap")
+    instance = TaskInstance(instance_id="bunsen:1", data={"question": "Cobalt?", **CHEMISTRY})
+    assert (await env.grade(instance, {"answer": "<think>CO?</think><choice>Co</choice>"})).reward == 1.0
+    assert (await env.grade(instance, {"answer": "<choice>CO</choice>"})).reward == 0.0
+
+
+@pytest.mark.parametrize(
+    ("mode", "reply", "choice"),
+    [
+        ("lenient_answer_colon", "Answer: Co", "B"),
+        ("lenient_answer_colon", "Answer: co", None),
+        ("lenient_answer_colon", "Answer: h2o", "D"),  # case ignored where it tells no options apart
+        ("lenient_boxed", "\\boxed{Co}", "B"),
+        ("lenient_boxed", "\\boxed{co}", None),
+    ],
+)
+def test_option_text_keeps_the_case_that_tells_options_apart(mode: str, reply: str, choice: str | None) -> None:
+    assert read_choice(reply, CHEMISTRY, mode) == choice
+
+
+def test_a_custom_regex_capture_keeps_its_case() -> None:
+    row = {**CHEMISTRY, "template_metadata": {"output_regex": "Final:\\s*(\\w+)"}}
+    assert read_choice("Final: Co", row, "strict_single_letter_boxed") == "B"
+    assert read_choice("Final: CO", row, "strict_single_letter_boxed") == "A"
+
+
 async def test_a_stem_gold_that_is_not_math_is_a_one_line_error_naming_the_row() -> None:
     env = make_environment(load_task("stem/algebra"), "bwrap")
     gold = "Danny Casey played football for Ireland,\nand later coached in the League of Ireland. " * 20

@@ -1,5 +1,6 @@
-"""Our multiple-choice grading against NeMo Gym's own mcqa and gpqa_diamond verifiers, on Gym's example rows and
-rollouts and on replies made from them (every grading mode). Prints the figures; the README states them."""
+"""Our multiple-choice grading against NeMo Gym's own mcqa, gpqa_diamond and bunsenbench_chemistry_mcq verifiers,
+on Gym's example rows and rollouts and on replies made from them (every grading mode). Prints the figures; the
+README states them."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import json
 from pathlib import Path
 from unittest.mock import MagicMock
 
+import resources_servers.bunsenbench_chemistry_mcq as bunsen_pkg
 import resources_servers.gpqa_diamond as gpqa_pkg
 import resources_servers.mcqa as mcqa_pkg
 from nemo_gym.openai_utils import NeMoGymResponse
 from nemo_gym.server_utils import ServerClient
+from resources_servers.bunsenbench_chemistry_mcq.app import (
+    BunsenChemResourcesServer, BunsenChemResourcesServerConfig, BunsenChemVerifyRequest,
+)  # fmt: skip
 from resources_servers.gpqa_diamond.app import GPQADiamondResourcesServer, GPQADiamondResourcesServerConfig
 from resources_servers.mcqa.app import MCQAResourcesServer, MCQAResourcesServerConfig, MCQAVerifyRequest
 
@@ -95,4 +100,43 @@ async def test_agreement_with_gym_mcqa_and_gpqa_verifiers() -> None:
         print(f"  differs: {name} {mode}: {reply[-80:]!r}: ours {ours}, Gym {gyms}")
     total = sum(t for _, t in agree.values())
     print(f"  overall {total - len(disagreements)}/{total}")
+    assert not disagreements
+
+
+def _bunsen_replies(row: dict) -> list[str]:
+    """Replies in the shapes BunsenBench's prompt asks for and models write instead."""
+    letters = option_letters(row["options"])
+    gold = row["expected_answer"]
+    wrong = next(letter for letter in letters if letter != gold)
+    text, wrong_text = letters[gold], letters[wrong]
+    listed = "".join(f"<choice>{option}</choice>" for option in letters.values())
+    return _replies(row) + [
+        f"<choice>{text}</choice>", f"<choice>{gold}</choice>", f"<choice>{text.lower()}</choice>",
+        f"<choice>{text.upper()}</choice>", f"<answer>{text}</answer>", f"<choice>{wrong_text}</choice>",
+        f"Reasoning first.\n{text}", f"Reasoning first.\n{text.lower()}", f"The answer is {gold}.",
+        f"<choices>{listed}</choices>", f"<choice>{wrong_text}</choice>\nOn reflection:\nAnswer: {gold}",
+        f"I choose {gold} and {wrong}", f"Option {gold}", f"{gold}) {text}", f"\\boxed{{\\text{{{text}}}}}",
+    ]  # fmt: skip
+
+
+async def test_agreement_with_gym_bunsenbench_verifier() -> None:
+    """BunsenBench's chemistry rows, read as Gym's bunsenbench_chemistry_mcq server reads them: <choice> tags,
+    boxes, Answer: lines, the option's exact text (case kept: CO is not Co)."""
+    config = BunsenChemResourcesServerConfig(host="127.0.0.1", port=0, entrypoint="", name="")
+    server = BunsenChemResourcesServer(config=config, server_client=MagicMock(spec=ServerClient))
+    cases = [(row, reply) for row in _rows(bunsen_pkg, "example.jsonl") for reply in _bunsen_replies(row)]
+    cases += _rollout_texts(bunsen_pkg, "example_rollouts.jsonl")
+    disagreements = []
+    for row, reply in cases:
+        request = BunsenChemVerifyRequest(
+            responses_create_params={"input": row["responses_create_params"]["input"]}, response=_response(reply),
+            options=row["options"], expected_answer=row["expected_answer"],
+        )  # fmt: skip
+        gyms = (await server.verify(request)).reward
+        ours = grade_choice(reply.strip(), row, "choice_tag_or_answer").reward
+        if ours != gyms:
+            disagreements.append((reply, ours, gyms))
+    print(f"\nbunsenbench agreement with Gym's verifier: {len(cases) - len(disagreements)}/{len(cases)}")
+    for reply, ours, gyms in disagreements:
+        print(f"  differs: {reply[-80:]!r}: ours {ours}, Gym {gyms}")
     assert not disagreements
