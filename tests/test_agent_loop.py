@@ -72,7 +72,7 @@ async def test_code_block_runs_in_the_sandbox_and_its_output_comes_back(math_tas
     trajectory = await run_rollout(env, agent(tokenizer, model), INSTANCE)
     assert trajectory.critical_error is None and trajectory.finish == "answer"
     assert trajectory.reward == 1.0 and trajectory.resolved and trajectory.num_tool_calls == 1
-    observation = trajectory.messages[3]["content"]
+    observation = trajectory.messages[-2]["content"]  # question, code, its observation, answer
     assert "Calculate 6 * 7. 42" in observation  # the staged problem file, read inside the sandbox
     turns = trajectory.assistant_turns()
     assert len(turns) == 2 and contiguity_violation(turns) is None
@@ -168,7 +168,7 @@ class ScriptedChatServer:
     async def __call__(self, path: str, body: dict) -> dict:
         assert path == "/chat/completions" and body["logprobs"] and body["return_tokens_as_token_ids"]
         self.bodies.append(body)
-        earlier = [m for m in body["messages"] if m["role"] == "assistant"]
+        earlier = [m for m in body["messages"] if "prompt_token_ids" in m]  # as NeMo RL's server: a worked example has none
         prefix = (earlier[-1]["prompt_token_ids"] + earlier[-1]["generation_token_ids"]) if earlier else []
         if self.drift and prefix:
             prefix = prefix[:-1]
@@ -192,7 +192,7 @@ async def test_chat_mode_echoes_token_fields_and_masks_a_non_contiguous_turn(mat
     loop = AgentLoop(ChatCompletions(server, "scripted", SamplingParams()), tool_call_format("codeact"), 3)
     trajectory = await run_rollout(make_environment(math_task, "bwrap"), loop, INSTANCE)
     assert trajectory.reward == 1.0
-    second_request_assistant = [m for m in server.bodies[1]["messages"] if m["role"] == "assistant"][0]
+    second_request_assistant = [m for m in server.bodies[1]["messages"] if m["role"] == "assistant"][-1]
     assert "generation_token_ids" in second_request_assistant and "finish_reason" not in second_request_assistant
     turns = trajectory.assistant_turns()
     assert ("contiguity_error" in turns[1]) == drift and turns[1].get("mask", False) == drift

@@ -83,7 +83,7 @@ async def test_a_job_streams_each_sample_and_is_kept(instant_model: str, tmp_pat
     assert view.state == "done" and view.finished == 3
     for trajectory in view.results:
         assert trajectory.reward == 1.0 and trajectory.critical_error is None and trajectory.num_tool_calls == 1
-        assert "42" in trajectory.messages[3]["content"]  # the bash tool really ran in the sandbox
+        assert "42" in trajectory.messages[-2]["content"]  # the bash tool really ran in the sandbox
         assert contiguity_violation(trajectory.assistant_turns()) is None
         assert trajectory.timing.init > 0 and trajectory.timing.eval > 0
     assert sandbox_processes() == []

@@ -227,12 +227,13 @@ def test_a_trajectory_page_shows_its_tool_calls_outputs_and_token_log_probs(brow
     assert any("tool=bash" in title and "sandbox_backend=bwrap" in title for title in
                [s.get_attribute("title") for s in browser.find_elements("css selector", "#spans .span.tool")])
 
-    first_turn = next(m for m in row["messages"] if m["role"] == "assistant")
+    first_turn = next(m for m in row["messages"] if "generation_token_ids" in m)  # the task's worked example has none
     counts = browser.find_element("css selector", ".entry.role-assistant .counts").text
     assert f"prompt {len(first_turn['prompt_token_ids'])} tokens" in counts
     assert f"generated {len(first_turn['generation_token_ids'])}" in counts
-    browser.find_element("css selector", "details.tokens summary").click()
-    tokens = browser.find_elements("css selector", ".entry.role-assistant")[0].find_elements("css selector", ".tok")
+    details = browser.find_element("css selector", ".entry.role-assistant details.tokens")
+    details.find_element("css selector", "summary").click()
+    tokens = details.find_elements("css selector", ".tok")
     assert [int(t.get_attribute("data-id")) for t in tokens] == first_turn["generation_token_ids"]
     ActionChains(browser).move_to_element(tokens[1]).perform()
     tip = browser.find_element("css selector", "#tooltip")
@@ -269,9 +270,10 @@ def test_the_live_page_updates_while_a_job_runs(browser: Chrome, service_url: st
     before = int(finished.text)
     job_id = client.submit(JobRequest(instance=RIGHT, n=3, sampling_params={"seed": 2}))
 
-    def running() -> bool:
-        cells = browser.find_elements("css selector", "#live-stages td.queued, #live-stages td.active")
-        return any(int(c.text) > 0 for c in cells)
+    def running() -> bool:  # read in one script: the page redraws the table between two element reads
+        cells = browser.execute_script("return [...document.querySelectorAll("
+                                       "'#live-stages td.queued, #live-stages td.active')].map(c => c.textContent)")
+        return any(int(c) > 0 for c in cells)
 
     wait_for(browser, running, "the live page never showed the job's rollouts queued or active")
     wait_for(browser, lambda: int(finished.text) == before + 3, "the live page never counted the job's rollouts")

@@ -37,6 +37,23 @@ def test_a_gym_eval_row_becomes_a_conversation_with_its_tool_calls_and_outputs()
     assert (summary.reward, summary.tool_calls, summary.resolved) == (row["reward"], len(calls), None)
 
 
+def test_a_worked_example_stays_in_the_prompt_and_observations_after_it_are_tool_outputs() -> None:
+    turn = {"prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [-0.5]}
+    messages = [
+        {"role": "user", "content": "Calculate 12 * -3."},
+        {"role": "assistant", "content": "```python\nprint(12 * -3)\n```"},
+        {"role": "user", "content": "Observation (python):\n-36\n"},  # the example's, written by the task
+        {"role": "assistant", "content": "\\boxed{-36}"},
+        {"role": "user", "content": "Calculate 6 * 7."},
+        {"role": "assistant", "content": "```python\nprint(6 * 7)\n```", **turn},
+        {"role": "user", "content": "Observation (python):\n42\n"},  # the sandbox's
+    ]
+    entries = conversation({"messages": messages})
+    assert [e["role"] for e in entries] == ["user", "assistant", "user", "assistant", "user", "assistant", "tool"]
+    assert entries[-1]["name"] == "python" and entries[-1]["content"].strip() == "42"
+    assert "token_ids" in entries[5] and "token_ids" not in entries[1]
+
+
 def test_token_fields_on_gym_output_items_are_the_turns_tokens() -> None:
     row = {"responses_create_params": {"input": "hi"}, "reward": 0.5, "_ng_task_index": 3, "_ng_rollout_index": 1,
            "response": {"output": [

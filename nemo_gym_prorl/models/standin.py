@@ -1,9 +1,9 @@
 """A deterministic, instant stand-in model server: the same OpenAI-compatible surface as the real one, with
 scripted replies, for benchmarks and fault tests where the model's speed or randomness must not matter.
 
-The reply to a request is ``script[k]``, k = the number of assistant turns already in the conversation (the last
-entry repeats). Token ids come from the real model's tokenizer, so rollouts through it are token-faithful and
-contiguous exactly as with a real server. ``latency_s`` simulates generation time and ``max_concurrency`` bounds
+The reply to a request is ``script[k]``, k = the number of its own replies already in the conversation (the last
+entry repeats); a task's worked example, an assistant turn it did not write, does not count. Token ids come from the
+real model's tokenizer, so rollouts through it are token-faithful and contiguous exactly as with a real server. ``latency_s`` simulates generation time and ``max_concurrency`` bounds
 how many requests are "on the GPU" at once.
 
 "Instant" means the server's own CPU is as small as it can be, since benchmarks share it between the sides they
@@ -20,6 +20,7 @@ import asyncio
 import functools
 import socket
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -70,10 +71,27 @@ def create_standin_app(
         released.set()
 
     def turns_in(prompt: list[int]) -> int:
-        """Assistant turns already in a token prompt: occurrences of the generation prompt, minus the open one."""
+        """Replies of the script already in a token prompt: the assistant turns at its end whose tokens are one of
+        them (a worked example comes before every generated turn)."""
         first, width = assistant_start[0], len(assistant_start)
-        n = sum(1 for i, token in enumerate(prompt) if token == first and prompt[i : i + width] == assistant_start)
-        return max(n - 1, 0)
+        starts = [i + width for i, t in enumerate(prompt) if t == first and prompt[i : i + width] == assistant_start]
+        return trailing(any(prompt[i : i + len(reply)] == reply for reply in replies) for i in starts[:-1])
+
+    texts = set(script) | set(reply_texts)
+
+    def trailing(written: Iterable[bool]) -> int:
+        """How many of the last turns in a row the script wrote."""
+        run = 0
+        for mine in written:
+            run = run + 1 if mine else 0
+        return run
+
+    def written_here(message: dict[str, Any]) -> bool:
+        """An assistant message that one of the script's replies became (with its token fields, its parsed tool
+        calls, or its text), not a worked example's."""
+        content = message.get("content")
+        tokens_or_calls = "generation_token_ids" in message or bool(message.get("tool_calls"))
+        return tokens_or_calls or not isinstance(content, str) or content in texts
 
     async def generate(k: int) -> int:
         """The index of the reply to give, once the simulated generation is over."""
@@ -135,7 +153,7 @@ def create_standin_app(
         body = orjson.loads(await request.body())
         messages = body["messages"]
         earlier = [m for m in messages if m.get("role") == "assistant"]
-        k = await generate(len(earlier))
+        k = await generate(trailing(written_here(m) for m in earlier))
         ids, text = replies[k], reply_texts[k]
         tools = body.get("tools")
         if earlier and "generation_token_ids" in earlier[-1]:

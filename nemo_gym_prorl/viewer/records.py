@@ -156,14 +156,18 @@ def _take_tokens(entry: dict[str, Any], item: dict[str, Any]) -> None:
 
 
 def _trajectory_conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A CodeAct observation (a user message) is a tool output once the model has generated; before, it is part of
+    the prompt (a task's worked example)."""
     entries: list[dict[str, Any]] = []
+    generated = False
     for message in messages:
         role = message.get("role")
         if role == "assistant":
             entries.append(_assistant_entry(message))
+            generated = generated or "generation_token_ids" in message
             continue
         content = _text(message.get("content"))
-        observation = _OBSERVATION.match(content) if role == "user" else None
+        observation = _OBSERVATION.match(content) if role == "user" and generated else None
         if role == "tool":
             entries.append({"role": "tool", "name": message.get("name"), "content": content})
         elif observation:
