@@ -67,16 +67,17 @@ def test_a_reply_cut_off_inside_its_trace_has_no_answer(answer: str) -> None:
     assert grade.reward == 0.0 and grade.details["reason"] in ("unparseable answer", "only a reasoning trace")
 
 
-async def test_a_gold_that_is_not_math_is_a_one_line_error_naming_the_row() -> None:
+@pytest.mark.parametrize("task", ["math/arithmetic", "stem/algebra"])
+async def test_a_gold_that_is_not_math_is_a_one_line_error_naming_the_row(task: str) -> None:
     """A free-text gold (Gym's equivalence rows) is refused, not scored 0: one line naming task, row and column."""
-    env = make_environment(load_task("math/arithmetic"), "bwrap")
+    env = make_environment(load_task(task), "bwrap")
     gold = "Danny Casey played football for Ireland,\nand later coached in the League of Ireland. " * 20
     instance = TaskInstance(instance_id="row-7", data={"question": "Who?", "answer": gold})
     with pytest.raises(ValueError) as error:
         await env.grade(instance, {"answer": "\\boxed{1}"})
     message = str(error.value)
     assert "\n" not in message and len(message) < 300, message
-    assert "math/arithmetic" in message and "row-7" in message and "'answer'" in message, message
+    assert task in message and "row-7" in message and "'answer'" in message, message
     assert "not parseable by math-verify" in message
 
 

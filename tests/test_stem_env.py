@@ -208,17 +208,6 @@ def test_a_custom_regex_capture_keeps_its_case() -> None:
     assert read_choice("Final: CO", row, "strict_single_letter_boxed") == "A"
 
 
-async def test_a_stem_gold_that_is_not_math_is_a_one_line_error_naming_the_row() -> None:
-    env = make_environment(load_task("stem/algebra"), "bwrap")
-    gold = "Danny Casey played football for Ireland,\nand later coached in the League of Ireland. " * 20
-    instance = TaskInstance(instance_id="row-7", data={"question": "Who?", "answer": gold})
-    with pytest.raises(ValueError) as error:
-        await env.grade(instance, {"answer": "\\boxed{1}"})
-    message = str(error.value)
-    assert "\n" not in message and len(message) < 300, message
-    assert "stem/algebra" in message and "row-7" in message and "'answer'" in message, message
-
-
 @pytest.mark.parametrize(
     ("task", "full", "zero", "malformed"),
     [
