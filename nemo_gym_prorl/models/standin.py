@@ -3,8 +3,8 @@ scripted replies, for benchmarks and fault tests where the model's speed or rand
 
 The reply to a request is ``script[k]``, k = the number of its own replies already in the conversation (the last
 entry repeats); a task's worked example, an assistant turn it did not write, does not count. Token ids come from the
-real model's tokenizer, so rollouts through it are token-faithful and contiguous exactly as with a real server. ``latency_s`` simulates generation time and ``max_concurrency`` bounds
-how many requests are "on the GPU" at once.
+real model's tokenizer, so rollouts through it are token-faithful and contiguous exactly as with a real server.
+``latency_s`` simulates generation time and ``max_concurrency`` bounds how many requests are "on the GPU" at once.
 
 "Instant" means the server's own CPU is as small as it can be, since benchmarks share it between the sides they
 compare: rollouts of one benchmark repeat the same prompts and tool outputs, so rendered templates and
