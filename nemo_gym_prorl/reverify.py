@@ -19,14 +19,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm import tqdm
 
+from nemo_gym_prorl.contracts.task import TaskConfig
+from nemo_gym_prorl.contracts.trajectory import Reverification, Trajectory
 from nemo_gym_prorl.envs import Environment, make_environment
 from nemo_gym_prorl.envs.dataset import load_instances
-from nemo_gym_prorl.envs.task import TaskConfig
-from nemo_gym_prorl.service.job import TaskChoice
-from nemo_gym_prorl.service.report import config_record_path, read_config_record
-from nemo_gym_prorl.service.runtime import SandboxConfig
-from nemo_gym_prorl.service.trajectory import Reverification, Trajectory
-from nemo_gym_prorl.startup import check_sandbox_backend
+from nemo_gym_prorl.launch.job import TaskChoice
+from nemo_gym_prorl.launch.runtime import SandboxConfig
+from nemo_gym_prorl.launch.startup import check_sandbox_backend
+from nemo_gym_prorl.telemetry.report import config_record_path, read_config_record
 
 SANDBOX_GRADED = ("code", "swe")  # task types whose grader runs the submission in a fresh sandbox
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-ToolCallFormatName = Literal["hermes", "openai", "codeact"]
+from nemo_gym_prorl.contracts.task import ToolCallFormatName
 
 FINISH_TOOL = "finish"
 

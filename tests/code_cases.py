@@ -10,8 +10,8 @@ import uuid
 import zlib
 from pathlib import Path
 
-from nemo_gym_prorl.envs.code_grading import GradingSettings
-from nemo_gym_prorl.envs.code_tests import CodeProblem
+from nemo_gym_prorl.envs.code.cases import CodeProblem
+from nemo_gym_prorl.envs.code.grading import GradingSettings
 
 SETTINGS = GradingSettings(timeout_s=2, output_cap_bytes=1 << 20)
 DOUBLE = CodeProblem(kind="stdin", inputs=["3\n", "4\n"], outputs=["6", "8"])

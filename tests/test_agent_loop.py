@@ -6,16 +6,15 @@ from pathlib import Path
 
 import pytest
 
+from nemo_gym_prorl.agent.loop import AgentLoop
+from nemo_gym_prorl.agent.turns import ContextLengthExceeded, TokenInTokenOut
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
+from nemo_gym_prorl.contracts.trajectory import contiguity_violation
 from nemo_gym_prorl.envs import make_environment
 from nemo_gym_prorl.envs.base import Episode
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.task import load_task
-from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.models.tokenizer import Tokenizer
-from nemo_gym_prorl.service.agent_loop import AgentLoop
-from nemo_gym_prorl.service.llm_client import ContextLengthExceeded, TokenInTokenOut
 from nemo_gym_prorl.service.pipeline import PipelineConfig, Rollout, run_rollouts
-from nemo_gym_prorl.service.trajectory import contiguity_violation
 from nemo_gym_prorl.tool_calls import tool_call_format
 
 
@@ -186,7 +185,7 @@ class ScriptedChatServer:
 
 @pytest.mark.parametrize("drift", [False, True])
 async def test_chat_mode_echoes_token_fields_and_masks_a_non_contiguous_turn(math_task, tokenizer: Tokenizer, drift: bool) -> None:
-    from nemo_gym_prorl.service.llm_client import ChatCompletions
+    from nemo_gym_prorl.agent.turns import ChatCompletions
 
     server = ScriptedChatServer(tokenizer, ["```bash\necho 6\n```", "\\boxed{42}"], drift=drift)
     loop = AgentLoop(ChatCompletions(server, "scripted", SamplingParams()), tool_call_format("codeact"), 3)
@@ -203,8 +202,8 @@ async def test_chat_mode_echoes_token_fields_and_masks_a_non_contiguous_turn(mat
 async def test_both_generation_modes_stay_contiguous_against_the_real_model_server(
     math_task, tokenizer: Tokenizer, model_server, mode: str
 ) -> None:
-    from nemo_gym_prorl.service.json_http import JsonHttp
-    from nemo_gym_prorl.service.llm_client import http_poster, turn_generator
+    from nemo_gym_prorl.agent.turns import http_poster, turn_generator
+    from nemo_gym_prorl.json_http import JsonHttp
 
     http = JsonHttp(timeout_s=120)
     try:
@@ -220,8 +219,8 @@ async def test_both_generation_modes_stay_contiguous_against_the_real_model_serv
 
 async def test_a_turn_without_max_tokens_may_fill_the_context_as_in_chat_mode(tokenizer: Tokenizer, model_server) -> None:
     """/v1/completions caps a request without max_tokens at 16 tokens (OpenAI's default; vLLM's and our server's)."""
-    from nemo_gym_prorl.service.json_http import JsonHttp
-    from nemo_gym_prorl.service.llm_client import http_poster
+    from nemo_gym_prorl.agent.turns import http_poster
+    from nemo_gym_prorl.json_http import JsonHttp
 
     messages = [{"role": "user", "content": "Write three long sentences about the sea."}]
     http = JsonHttp(timeout_s=120)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from sandbox_helpers import assert_nothing_left, loop_devices_under, mounts_under, reachable_temp_dir, wait_until
 
+from nemo_gym_prorl.contracts.sandbox import BindMount
 from nemo_gym_prorl.sandbox import SandboxError, SandboxLimits, SandboxSpec
 from nemo_gym_prorl.sandbox.apptainer import ApptainerSandbox
-from nemo_gym_prorl.sandbox.base import BindMount
 from nemo_gym_prorl.sandbox.disk import SandboxDisk
 
 pytestmark = pytest.mark.timeout(120)

@@ -23,9 +23,10 @@ import psutil
 import pytest
 from sandbox_helpers import alive, apptainer_processes, reachable_temp_dir, wait_until
 
-from nemo_gym_prorl.sandbox import SandboxError, SandboxLimits, SandboxSpec, apptainer
-from nemo_gym_prorl.sandbox.apptainer import ApptainerSandbox, find_apptainer, list_instances, reap_orphan_instances
-from nemo_gym_prorl.sandbox.base import BindMount
+from nemo_gym_prorl.contracts.sandbox import BindMount
+from nemo_gym_prorl.sandbox import SandboxError, SandboxLimits, SandboxSpec, apptainer, apptainer_binary
+from nemo_gym_prorl.sandbox.apptainer import ApptainerSandbox, list_instances, reap_orphan_instances
+from nemo_gym_prorl.sandbox.apptainer_binary import find_apptainer
 
 AS_ROOT = os.geteuid() == 0
 LIMITS = SandboxLimits(memory_mb=512, max_output_bytes=10_000)
@@ -261,11 +262,11 @@ def test_reaper_stops_only_our_orphans(sif: Path) -> None:  # noqa: F811
 
 def test_find_apptainer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, installed: str) -> None:  # noqa: F811
     assert find_apptainer() == installed
-    monkeypatch.setenv(apptainer.APPTAINER_ENV, str(tmp_path / "nothing"))
+    monkeypatch.setenv(apptainer_binary.APPTAINER_ENV, str(tmp_path / "nothing"))
     with pytest.raises(SandboxError, match="not an executable"):
         find_apptainer()
-    monkeypatch.delenv(apptainer.APPTAINER_ENV)
-    monkeypatch.delenv(apptainer.PREFIX_ENV, raising=False)
+    monkeypatch.delenv(apptainer_binary.APPTAINER_ENV)
+    monkeypatch.delenv(apptainer_binary.PREFIX_ENV, raising=False)
     monkeypatch.setattr(apptainer, "_REPO", tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(SandboxError, match=r"apptainer is not installed: run .*scripts/install_apptainer\.sh"):

@@ -21,8 +21,8 @@ import psutil
 import pytest
 from sandbox_helpers import alive, process_tree, reachable_temp_dir, wait_until
 
+from nemo_gym_prorl.contracts.sandbox import BindMount
 from nemo_gym_prorl.sandbox import BwrapSandbox, SandboxError, SandboxLimits, SandboxSpec, bwrap
-from nemo_gym_prorl.sandbox.base import BindMount
 from nemo_gym_prorl.sandbox.bwrap import _hidden_etc_paths, sweep_orphans
 from nemo_gym_prorl.sandbox.limits import own_cgroup_dirs
 

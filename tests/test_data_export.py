@@ -15,10 +15,9 @@ import yaml
 from nemo_gym.base_resources_server import BaseRunRequest
 
 from nemo_gym_prorl.cli import main
-from nemo_gym_prorl.data_export import ExportRequest, ExportUsageError, nemo_rl_rows, parse_export_args
+from nemo_gym_prorl.contracts.task import TASKS_DIR, TaskInstance, load_task
 from nemo_gym_prorl.envs import make_environment
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.task import TASKS_DIR, load_task
+from nemo_gym_prorl.gym.data_export import ExportRequest, ExportUsageError, nemo_rl_rows, parse_export_args
 
 MATH = "math/arithmetic"
 

@@ -15,16 +15,16 @@ import pytest
 from sandbox_helpers import reachable_temp_dir
 from standin_helpers import running_standin
 
+from nemo_gym_prorl.contracts.job import JobRequest
+from nemo_gym_prorl.contracts.task import load_task
+from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.envs.base import Episode
-from nemo_gym_prorl.envs.math import MathEnvironment
-from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.envs.math.env import MathEnvironment
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.launch.serve import RunningService, run_service
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.service.client import RolloutClient
-from nemo_gym_prorl.service.orchestrator import JobRequest
 from nemo_gym_prorl.service.pipeline import Rollout, RolloutPipeline, StageConfig
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
-from nemo_gym_prorl.service.serve import RunningService, run_service
-from nemo_gym_prorl.service.trajectory import Trajectory
 from tests.test_agent_loop import ScriptedModel
 from tests.test_pipeline import BlockingModel, config, rollout, sandboxes_left
 

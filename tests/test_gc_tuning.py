@@ -9,8 +9,8 @@ from contextlib import ExitStack
 import pytest
 from pydantic import ValidationError
 
+from nemo_gym_prorl.launch.runtime import ServiceSettings
 from nemo_gym_prorl.service.gc_tuning import GcSettings, tuned_gc
-from nemo_gym_prorl.service.runtime import ServiceSettings
 
 
 def test_settings_apply_while_serving_and_the_process_gets_its_own_back() -> None:

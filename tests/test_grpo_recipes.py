@@ -15,7 +15,7 @@ import pytest
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_gym_prorl.envs.task import load_task, task_path
+from nemo_gym_prorl.contracts.task import load_task, task_path
 
 REPO = Path(__file__).resolve().parents[1]
 GRPO = REPO / "recipes" / "grpo"

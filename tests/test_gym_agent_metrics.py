@@ -16,10 +16,10 @@ import httpx
 from nemo_gym.base_resources_server import AggregateMetrics
 from nemo_gym.reward_profile import compute_aggregate_metrics
 
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
-from nemo_gym_prorl.service.serve import run_service
 
 SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]
 TOKEN = "s3cret"

@@ -32,12 +32,12 @@ from nemo_gym.episode_types import EpisodeId, TaskId
 from nemo_gym.server_utils import ServerClient
 from nemo_gym.testing.session_conformance import check_resources_session_contract
 
+from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, contiguity_violation
 from nemo_gym_prorl.gym import PLUGIN_ROOT
 from nemo_gym_prorl.gym.processes import free_port, gym_env_start, gym_environ, run_gym
 from nemo_gym_prorl.gym.rows import task_rows
 from nemo_gym_prorl.gym.venvs import SERVERS, ensure_venv_links
 from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
-from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, contiguity_violation
 
 sys.path.insert(0, str(PLUGIN_ROOT))  # what Gym does for its extra roots: `resources_servers.*` imports from there
 

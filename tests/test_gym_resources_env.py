@@ -38,19 +38,18 @@ from nemo_gym_prorl.bench.throughput import (
     link_venvs,
     write_jsonl,
 )
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.gym_resources import GymResourcesEnvironment
-from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.contracts.job import JobRequest
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
+from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
+from nemo_gym_prorl.envs.gym.env import GymResourcesEnvironment
 from nemo_gym_prorl.gym import PLUGIN_ROOT
+from nemo_gym_prorl.gym.agent_routes import GymRunRequest, gym_verify_response
 from nemo_gym_prorl.gym.processes import gym_env_start, gym_environ
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceRuntime, ServiceSettings
+from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
-from nemo_gym_prorl.service.gym_agent import GymRunRequest, gym_verify_response
-from nemo_gym_prorl.service.orchestrator import JobRequest
 from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceRuntime, ServiceSettings
-from nemo_gym_prorl.service.serve import run_service
-from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
 
 MATH_ROW = json.loads((PLUGIN_ROOT / "resources_servers/prorl_math/data/example.jsonl").open().readline())
 MATH_SCRIPT = [

@@ -19,19 +19,18 @@ from nemo_gym.sandbox import (
 )
 from nemo_gym.sandbox import SandboxSpec as GymSpec
 
+from nemo_gym_prorl.contracts.sandbox import PathOutsideWorkspaceError
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
 from nemo_gym_prorl.envs import make_environment
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.task import load_task
-from nemo_gym_prorl.sandbox import SandboxSpec, open_sandbox
-from nemo_gym_prorl.sandbox.apptainer import _instance_logs, list_instances, remove_instance_logs
-from nemo_gym_prorl.sandbox.base import PathOutsideWorkspaceError
-from nemo_gym_prorl.sandbox.gym_provider import (
+from nemo_gym_prorl.gym.sandbox_providers import (
     BwrapProvider,
-    GymProviderSandbox,
     ProrlProvider,
     gym_apptainer_config,
     register_gym_backends,
 )
+from nemo_gym_prorl.sandbox import SandboxSpec, open_sandbox
+from nemo_gym_prorl.sandbox.apptainer import _instance_logs, list_instances, remove_instance_logs
+from nemo_gym_prorl.sandbox.gym_provider import GymProviderSandbox
 from nemo_gym_prorl.tool_calls import ToolCall
 from nemo_gym_prorl.tools import make_tools
 

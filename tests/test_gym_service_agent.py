@@ -17,13 +17,13 @@ import pytest
 from nemo_gym.path_utils import aggregate_metrics_path_for
 
 from nemo_gym_prorl.bench.throughput import link_venvs
+from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, contiguity_violation
 from nemo_gym_prorl.gym import PLUGIN_ROOT
 from nemo_gym_prorl.gym.processes import gym_env_start, gym_environ, run_gym
+from nemo_gym_prorl.launch.runtime import TOKEN_ENV, ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
 from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
-from nemo_gym_prorl.service.runtime import TOKEN_ENV, ModelConfig, ServiceConfig, ServiceSettings
-from nemo_gym_prorl.service.serve import run_service
-from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, contiguity_violation
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from nemo_gym_prorl.service.json_http import HttpConnectError, HttpStatusError, HttpTimeout, JsonHttp, set_cookies
+from nemo_gym_prorl.json_http import HttpConnectError, HttpStatusError, HttpTimeout, JsonHttp, set_cookies
 
 
 @pytest.fixture

@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from nemo_gym_prorl.agent.llm_pool import BackendState, LLMPool, LLMPoolConfig, LLMUnavailable, normalize_address
+from nemo_gym_prorl.agent.turns import ContextLengthExceeded, LLMRequestError
 from nemo_gym_prorl.models.launcher import LocalModelServer
-from nemo_gym_prorl.service.llm_client import ContextLengthExceeded, LLMRequestError
-from nemo_gym_prorl.service.llm_pool import BackendState, LLMPool, LLMPoolConfig, LLMUnavailable, normalize_address
 from tests.conftest import TEST_N_CTX
 
 WAIT = 30.0  # bound on anything a test awaits: generous, the machine is busy

@@ -10,10 +10,9 @@ import sys
 import psutil
 import pytest
 
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
 from nemo_gym_prorl.envs import make_environment
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.math import grade_answer
-from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.envs.math.env import grade_answer
 
 
 @pytest.mark.parametrize("answer", ["\\boxed{-6}", "The answer is $-6$.", "-6", "so x = \\boxed{-6.0}"])
@@ -121,7 +120,7 @@ def test_math_verify_time_limits_hold_off_the_main_thread() -> None:
 
 SERVICE = """
 import signal, sys, threading, time
-from nemo_gym_prorl.envs.math import grade_answer
+from nemo_gym_prorl.envs.math.env import grade_answer
 
 def stop(signum, frame):  # a service's graceful stop: it takes a moment, as uvicorn's and Ray's do
     time.sleep(1)

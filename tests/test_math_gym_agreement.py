@@ -11,7 +11,7 @@ from math_verify.metric import math_metric
 from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
 from resources_servers.math_with_judge.app import _extract_last_boxed_answer, _run_math_verify
 
-from nemo_gym_prorl.envs.math import grade_answer
+from nemo_gym_prorl.envs.math.env import grade_answer
 
 DATA = Path(math_with_judge.__path__[0]) / "data"
 
@@ -58,7 +58,7 @@ def _cases() -> list[tuple[str, str, str]]:
 def test_agreement_with_math_with_judge_library_reward(monkeypatch) -> None:
     # Agreement is about what each grader decides, not about its time limit: one shipped gold answer, a power of
     # (2+sqrt 3) to 2016, takes math-verify seconds to compare, and on a loaded machine ours hit its 5 s limit.
-    monkeypatch.setattr("nemo_gym_prorl.envs.math.TIMEOUT_S", 120)
+    monkeypatch.setattr("nemo_gym_prorl.envs.math.env.TIMEOUT_S", 120)
     cases = _cases()
     disagreements = []
     for what, expected, response in cases:

@@ -10,9 +10,9 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from nemo_gym_prorl.contracts.trajectory import contiguity_violation
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.tokenizer import Tokenizer
-from nemo_gym_prorl.service.trajectory import contiguity_violation
 from tests.conftest import TEST_N_CTX
 
 TOKEN_REQUEST = {"logprobs": True, "return_tokens_as_token_ids": True, "temperature": 1.0, "max_tokens": 24}
@@ -129,7 +129,8 @@ def test_log_probs_equal_the_models_own_log_softmax(tokenizer: Tokenizer) -> Non
     """Our per-token log-probs (last-position logits only) match llama.cpp's own ``logits_all`` computation,
     decoded the way sampling decodes (the prompt, then one token at a time: batched decodes of a quantized model
     differ in the last digits, and what counts is the distribution each token was sampled from)."""
-    from nemo_gym_prorl.models.engine import LlamaEngine, SamplingParams
+    from nemo_gym_prorl.contracts.sampling import SamplingParams
+    from nemo_gym_prorl.models.engine import LlamaEngine
 
     engine = LlamaEngine(default_gguf(), n_ctx=512)
     prompt = tokenizer.encode(tokenizer.chat_template.render([{"role": "user", "content": "Hello!"}], add_generation_prompt=True))

@@ -39,18 +39,18 @@ from nemo_gym.rollout_collection import RolloutCollectionHelper
 from nemo_gym.server_utils import HEAD_SERVER_KEY_NAME, BaseServerConfig
 from omegaconf import DictConfig
 
+from nemo_gym_prorl.agent.llm_pool import normalize_address
 from nemo_gym_prorl.bench.throughput import link_venvs
-from nemo_gym_prorl.envs.task import TASKS_DIR
+from nemo_gym_prorl.contracts.task import TASKS_DIR
 from nemo_gym_prorl.gym import PLUGIN_ROOT
 from nemo_gym_prorl.gym.processes import free_port
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.models.launcher import LocalModelServer
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.nemo_rl_standin import PolicySampling, create_nemo_rl_standin_app
 from nemo_gym_prorl.models.tokenizer import Tokenizer
-from nemo_gym_prorl.service.llm_pool import normalize_address
 from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
-from nemo_gym_prorl.service.serve import run_service
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

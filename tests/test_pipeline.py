@@ -10,16 +10,15 @@ import os
 import psutil
 import pytest
 
+from nemo_gym_prorl.agent.loop import AgentLoop
+from nemo_gym_prorl.agent.turns import TokenInTokenOut
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.contracts.sandbox import SandboxError
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
 from nemo_gym_prorl.envs import make_environment
 from nemo_gym_prorl.envs.base import Episode, Evaluation
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.math import MathEnvironment
-from nemo_gym_prorl.envs.task import load_task
-from nemo_gym_prorl.models.engine import SamplingParams
+from nemo_gym_prorl.envs.math.env import MathEnvironment
 from nemo_gym_prorl.models.tokenizer import Tokenizer
-from nemo_gym_prorl.sandbox.base import SandboxError
-from nemo_gym_prorl.service.agent_loop import AgentLoop
-from nemo_gym_prorl.service.llm_client import TokenInTokenOut
 from nemo_gym_prorl.service.pipeline import PipelineConfig, Rollout, RolloutPipeline, StageConfig
 from nemo_gym_prorl.tool_calls import tool_call_format
 from tests.test_agent_loop import INSTANCE, ScriptedModel

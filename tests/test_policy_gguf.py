@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from nemo_gym_prorl.models.engine import LlamaEngine, SamplingParams
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.models.engine import LlamaEngine
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.train.policy_gguf import load_policy, write_policy_gguf

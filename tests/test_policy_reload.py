@@ -16,16 +16,15 @@ import gguf
 import httpx
 import pytest
 
+from nemo_gym_prorl.agent.loop import AgentLoop
+from nemo_gym_prorl.agent.turns import http_poster, turn_generator
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
 from nemo_gym_prorl.envs import make_environment
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.task import load_task
-from nemo_gym_prorl.models.engine import SamplingParams
+from nemo_gym_prorl.json_http import JsonHttp
 from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.tokenizer import Tokenizer
-from nemo_gym_prorl.service.agent_loop import AgentLoop
-from nemo_gym_prorl.service.json_http import JsonHttp
-from nemo_gym_prorl.service.llm_client import http_poster, turn_generator
 from nemo_gym_prorl.service.pipeline import PipelineConfig, Rollout, run_rollouts
 from nemo_gym_prorl.tool_calls import tool_call_format
 

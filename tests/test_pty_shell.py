@@ -18,7 +18,7 @@ import psutil
 import pytest
 from sandbox_helpers import process_tree, wait_until
 
-from nemo_gym_prorl.sandbox.base import SandboxError
+from nemo_gym_prorl.contracts.sandbox import SandboxError
 from nemo_gym_prorl.sandbox.pty_shell import PtyShell
 
 BASH = ["bash", "--norc", "--noprofile", "--noediting", "-i"]

@@ -32,14 +32,14 @@ from sandbox_helpers import alive, wait_until
 from standin_helpers import running_standin
 
 from nemo_gym_prorl.cluster.settings import RaySettings
+from nemo_gym_prorl.contracts.job import Deadlines, JobRequest
+from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, Trajectory
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.launch.serve import RunningService, run_service
 from nemo_gym_prorl.sandbox.bwrap import TEMP_PREFIX
-from nemo_gym_prorl.service import tracing
 from nemo_gym_prorl.service.client import RolloutClient
-from nemo_gym_prorl.service.orchestrator import Deadlines, JobRequest
 from nemo_gym_prorl.service.pipeline import Rollout
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
-from nemo_gym_prorl.service.serve import RunningService, run_service
-from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory
+from nemo_gym_prorl.telemetry import tracing
 from tests.test_service_process import prorl_serve
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

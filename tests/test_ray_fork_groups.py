@@ -15,10 +15,10 @@ from sandbox_helpers import wait_until
 from standin_helpers import running_standin
 
 from nemo_gym_prorl.cluster.settings import RaySettings
+from nemo_gym_prorl.contracts.job import JobRequest
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.service.client import RolloutClient
-from nemo_gym_prorl.service.orchestrator import JobRequest
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
-from nemo_gym_prorl.service.serve import run_service
 from tests.test_fork_groups import ROW, SCRIPT, comparable
 from tests.test_ray_cluster import sandbox_dirs_of, sandboxes_under
 

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from standin_helpers import running_standin
 
+from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.models.launcher import LocalModelServer
-from nemo_gym_prorl.service.trajectory import Trajectory
 
 PRORL = [str(Path(sys.executable).with_name("prorl"))]
 TEST_N_CTX = 2048

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 import nemo_gym_prorl.sandbox as sandbox_registry
+from nemo_gym_prorl.contracts.sandbox import PathOutsideWorkspaceError
 from nemo_gym_prorl.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxSpec, open_sandbox
-from nemo_gym_prorl.sandbox.base import PathOutsideWorkspaceError
 
 BACKENDS = sorted(sandbox_registry.backends())
 MAX_OUTPUT = 10_000

@@ -22,9 +22,9 @@ import psutil
 import pytest
 from sandbox_helpers import alive, apptainer_processes, process_tree, processes_named, wait_until
 
+from nemo_gym_prorl.contracts.sandbox import PathOutsideWorkspaceError
 from nemo_gym_prorl.sandbox import WORKSPACE, SandboxError, SandboxLimits, SandboxSpec, open_sandbox
 from nemo_gym_prorl.sandbox.apptainer import SANDBOX_UID, ApptainerSandbox, list_instances
-from nemo_gym_prorl.sandbox.base import PathOutsideWorkspaceError
 from nemo_gym_prorl.sandbox.bwrap import BwrapSandbox
 from nemo_gym_prorl.sandbox.limits import own_cgroup_dirs
 from nemo_gym_prorl.sandbox.pty_shell import PtyShell

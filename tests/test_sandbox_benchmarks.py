@@ -15,8 +15,8 @@ import pytest
 from sandbox_helpers import reachable_temp_dir
 
 from nemo_gym_prorl.bench import swe
+from nemo_gym_prorl.contracts.task import load_task
 from nemo_gym_prorl.envs.dataset import load_instances
-from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.sandbox.apptainer import _instance_logs, list_instances
 
 pytestmark = pytest.mark.timeout(300)

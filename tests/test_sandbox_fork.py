@@ -11,8 +11,8 @@ import psutil
 import pytest
 from sandbox_helpers import reachable_temp_dir
 
+from nemo_gym_prorl.contracts.sandbox import ForkableSandbox, PathOutsideWorkspaceError
 from nemo_gym_prorl.sandbox import BwrapSandbox, SandboxError, SandboxLimits, SandboxSpec
-from nemo_gym_prorl.sandbox.base import ForkableSandbox, PathOutsideWorkspaceError
 
 _: type[ForkableSandbox] = BwrapSandbox  # BwrapSandbox implements the fork contract (checked by the type checker)
 

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 from sandbox_helpers import assert_nothing_left, reachable_temp_dir, wait_until
 
+from nemo_gym_prorl.contracts.sandbox import FileTooLargeError, NotARegularFileError, Sandbox
+from nemo_gym_prorl.gym.sandbox_providers import register_gym_backends
 from nemo_gym_prorl.sandbox import SandboxLimits, SandboxSpec, open_sandbox
 from nemo_gym_prorl.sandbox.apptainer import reap_orphan_instances
-from nemo_gym_prorl.sandbox.base import FileTooLargeError, NotARegularFileError, Sandbox
 from nemo_gym_prorl.sandbox.bwrap import sweep_orphans
-from nemo_gym_prorl.sandbox.gym_provider import register_gym_backends
 from nemo_gym_prorl.tools import EditorTool, PythonTool
 
 pytestmark = pytest.mark.timeout(120)

@@ -24,9 +24,9 @@ import psutil
 import pytest
 from sandbox_helpers import reachable_temp_dir
 
+from nemo_gym_prorl.contracts.sandbox import Sandbox
 from nemo_gym_prorl.sandbox import BwrapSandbox, SandboxLimits, SandboxSpec
 from nemo_gym_prorl.sandbox.apptainer import INSTANCE_PREFIX, ApptainerSandbox, _instance_logs, list_instances
-from nemo_gym_prorl.sandbox.base import Sandbox
 from nemo_gym_prorl.sandbox.limits import own_cgroup_dirs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

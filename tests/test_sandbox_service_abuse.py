@@ -15,11 +15,11 @@ import httpx
 import pytest
 from standin_helpers import running_standin
 
-from nemo_gym_prorl.envs.task import TASKS_DIR
+from nemo_gym_prorl.contracts.job import JobRequest
+from nemo_gym_prorl.contracts.task import TASKS_DIR
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.service.client import RolloutClient
-from nemo_gym_prorl.service.orchestrator import JobRequest
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
-from nemo_gym_prorl.service.serve import run_service
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,14 +20,14 @@ import pytest
 from nemo_gym.base_resources_server import BaseVerifyResponse
 from standin_helpers import running_standin
 
+from nemo_gym_prorl.contracts.job import Deadlines, JobRequest
+from nemo_gym_prorl.contracts.trajectory import Trajectory, contiguity_violation
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.launch.serve import RunningService, run_service
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
 from nemo_gym_prorl.service.client import RolloutClient, ServiceError
-from nemo_gym_prorl.service.orchestrator import Deadlines, JobRequest
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
-from nemo_gym_prorl.service.serve import RunningService, run_service
 from nemo_gym_prorl.service.store import JobStore
-from nemo_gym_prorl.service.trajectory import Trajectory, contiguity_violation
 
 SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]
 ROW = {"id": "q1", "question": "Calculate 6 * 7.", "answer": "42"}
@@ -300,7 +300,7 @@ async def test_a_weight_sync_counts_as_queue_time_not_against_the_deadlines(inst
 
 
 async def test_a_model_backend_killed_mid_rollout_is_retried_on_another(tmp_path: Path) -> None:
-    from nemo_gym_prorl.service.llm_pool import LLMPoolConfig
+    from nemo_gym_prorl.agent.llm_pool import LLMPoolConfig
 
     script = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]
     async with ModelServerProcess(standin_argv(script, hold=True)) as doomed, ModelServerProcess(standin_argv(script)) as healthy:
@@ -318,7 +318,7 @@ async def test_a_model_backend_killed_mid_rollout_is_retried_on_another(tmp_path
 
 
 async def test_no_reachable_model_ends_rollouts_classified_not_hung(tmp_path: Path) -> None:
-    from nemo_gym_prorl.service.llm_pool import LLMPoolConfig
+    from nemo_gym_prorl.agent.llm_pool import LLMPoolConfig
 
     pool = LLMPoolConfig(max_retries=1, backoff_base_s=0.01, wait_for_backend_s=2, health_interval_s=0, connect_timeout_s=2)
     async with service("http://127.0.0.1:9", tmp_path, llm_pool=pool) as svc, RolloutClient(svc.url) as client:

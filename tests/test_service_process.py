@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psutil
 
+from nemo_gym_prorl.contracts.job import JobRequest
 from nemo_gym_prorl.service.client import RolloutClient
-from nemo_gym_prorl.service.orchestrator import JobRequest
 from tests.test_service import ROW, instant_model, slow_model  # noqa: F401  (stand-in model fixtures)
 
 

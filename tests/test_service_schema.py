@@ -6,7 +6,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from nemo_gym_prorl.service.llm_pool import LLMPoolConfig
+from nemo_gym_prorl.agent.llm_pool import LLMPoolConfig
 from tests.test_service import instant_model, service  # noqa: F401  (the stand-in model fixture)
 
 # /stop and /llm/pause hold back every later rollout until resumed (tested in test_service.py); fuzzing them

@@ -21,9 +21,9 @@ from sandbox_helpers import loop_devices_under, wait_until
 from slurm_cluster import SlurmCluster, free_port, slurm_cluster
 from standin_helpers import running_standin
 
+from nemo_gym_prorl.contracts.job import JobRequest
 from nemo_gym_prorl.sandbox import disk
 from nemo_gym_prorl.service.client import RolloutClient
-from nemo_gym_prorl.service.orchestrator import JobRequest
 from tests.test_service import ROW, SCRIPT
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
 from nemo_gym_prorl.envs import make_environment
-from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
-from nemo_gym_prorl.envs.mcqa_grading import read_choice
-from nemo_gym_prorl.envs.stem import final_answer, grade_value
-from nemo_gym_prorl.envs.task import load_task
-from nemo_gym_prorl.envs.units import UnitParseError, parse_quantity
+from nemo_gym_prorl.envs.dataset import load_instances
+from nemo_gym_prorl.envs.stem.env import final_answer, grade_value
+from nemo_gym_prorl.envs.stem.mcqa import read_choice
+from nemo_gym_prorl.envs.stem.units import UnitParseError, parse_quantity
 
 ROW = {
     "options": [{"A": "Karyotyping"}, {"B": "Polymerase Chain Reaction (PCR)"}, {"C": "Southern blotting"},

@@ -14,13 +14,15 @@ import resources_servers.mcqa as mcqa_pkg
 from nemo_gym.openai_utils import NeMoGymResponse
 from nemo_gym.server_utils import ServerClient
 from resources_servers.bunsenbench_chemistry_mcq.app import (
-    BunsenChemResourcesServer, BunsenChemResourcesServerConfig, BunsenChemVerifyRequest,
+    BunsenChemResourcesServer,
+    BunsenChemResourcesServerConfig,
+    BunsenChemVerifyRequest,
 )  # fmt: skip
 from resources_servers.gpqa_diamond.app import GPQADiamondResourcesServer, GPQADiamondResourcesServerConfig
 from resources_servers.mcqa.app import MCQAResourcesServer, MCQAResourcesServerConfig, MCQAVerifyRequest
 
-from nemo_gym_prorl.envs.mcqa_grading import option_letters
-from nemo_gym_prorl.envs.stem import grade_choice
+from nemo_gym_prorl.envs.stem.env import grade_choice
+from nemo_gym_prorl.envs.stem.mcqa import option_letters
 
 MODES = ["strict_single_letter_boxed", "lenient_boxed", "lenient_answer_colon", "lenient_answer_colon_md"]
 

@@ -17,11 +17,11 @@ import psutil
 import pytest
 from sandbox_helpers import reachable_temp_dir, wait_until
 
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
 from nemo_gym_prorl.envs import make_environment
-from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
-from nemo_gym_prorl.envs.swe import SweEnvironment
-from nemo_gym_prorl.envs.swe_stage import StagingError
-from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.envs.dataset import load_instances
+from nemo_gym_prorl.envs.swe.env import SweEnvironment
+from nemo_gym_prorl.envs.swe.stage import StagingError
 from nemo_gym_prorl.sandbox import disk
 from nemo_gym_prorl.tool_calls import ToolCall
 

@@ -18,19 +18,19 @@ import httpx
 import pytest
 from standin_helpers import running_standin
 
+from nemo_gym_prorl.contracts.job import JobRequest
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
 from nemo_gym_prorl.envs import make_environment
-from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
-from nemo_gym_prorl.envs.swe import SweEnvironment
-from nemo_gym_prorl.envs.swe_images import ImageNotFound
-from nemo_gym_prorl.envs.swe_rows import SweRowError, parse_row
-from nemo_gym_prorl.envs.swe_stage import clean_patch
-from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.envs.dataset import load_instances
+from nemo_gym_prorl.envs.swe.env import SweEnvironment
+from nemo_gym_prorl.envs.swe.images import ImageNotFound
+from nemo_gym_prorl.envs.swe.rows import SweRowError, parse_row
+from nemo_gym_prorl.envs.swe.stage import clean_patch
 from nemo_gym_prorl.gym.processes import gym_environ, run_gym
 from nemo_gym_prorl.gym.venvs import ensure_venv_links
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.service.client import RolloutClient
-from nemo_gym_prorl.service.orchestrator import JobRequest
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
-from nemo_gym_prorl.service.serve import run_service
 from nemo_gym_prorl.tool_calls import ToolCall
 
 TASK = "swe/offline"

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 from sandbox_helpers import reachable_temp_dir
 
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.swe import SweEnvironment
-from nemo_gym_prorl.envs.swe_repo import CACHE_ENV
-from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
+from nemo_gym_prorl.envs.swe.env import SweEnvironment
+from nemo_gym_prorl.envs.swe.repo import CACHE_ENV
 from nemo_gym_prorl.tool_calls import ToolCall
 
 BUGGY = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"

@@ -12,8 +12,8 @@ from nemo_gym.sandbox import AsyncSandbox
 from nemo_gym.sandbox import SandboxSpec as GymSpec
 from pydantic import ValidationError
 
+from nemo_gym_prorl.contracts.sandbox import PathOutsideWorkspaceError
 from nemo_gym_prorl.sandbox import SandboxSpec, open_sandbox
-from nemo_gym_prorl.sandbox.base import PathOutsideWorkspaceError
 from nemo_gym_prorl.tools import make_tools
 
 TESTBED = "/testbed"

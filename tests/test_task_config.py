@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from nemo_gym_prorl.contracts.task import TaskConfigError, load_task
 from nemo_gym_prorl.envs.dataset import load_instances
-from nemo_gym_prorl.envs.math import MathEnvironment
-from nemo_gym_prorl.envs.task import TaskConfigError, load_task
+from nemo_gym_prorl.envs.math.env import MathEnvironment
 
 
 def test_the_worked_example_comes_as_turns_between_the_system_prompt_and_the_question() -> None:

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
+from nemo_gym_prorl.agent.turns import TokenInTokenOut, Turn, http_poster
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.json_http import JsonHttp
 from nemo_gym_prorl.models.chat_template import TemplateNotIncrementalError
-from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.models.tokenizer import Tokenizer
-from nemo_gym_prorl.service.json_http import JsonHttp
-from nemo_gym_prorl.service.llm_client import TokenInTokenOut, Turn, http_poster
 from nemo_gym_prorl.tools import make_tools
 
 # Qwen3's template (Qwen3-8B's tokenizer_config.json), with its think blocks and Hermes tool calls.

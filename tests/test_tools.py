@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from nemo_gym_prorl.contracts.task import load_task
 from nemo_gym_prorl.envs import make_environment
-from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.sandbox import Sandbox, SandboxSpec, open_sandbox
 from nemo_gym_prorl.tools import BashTool, EditorTool, FinishTool, PythonTool, ToolOutput, make_tools
 

@@ -20,12 +20,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pydantic import ValidationError
 from standin_helpers import running_standin
 
-from nemo_gym_prorl.service import otlp_export, tracing
+from nemo_gym_prorl.contracts.job import JobRequest
+from nemo_gym_prorl.contracts.trajectory import Trajectory
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceRuntime, ServiceSettings
 from nemo_gym_prorl.service.client import RolloutClient
-from nemo_gym_prorl.service.orchestrator import JobRequest
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceRuntime, ServiceSettings
-from nemo_gym_prorl.service.tracing import TracingConfig
-from nemo_gym_prorl.service.trajectory import Trajectory
+from nemo_gym_prorl.telemetry import otlp_export, tracing
+from nemo_gym_prorl.telemetry.tracing import TracingConfig
 
 SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]
 ROW = {"id": "q1", "question": "Calculate 6 * 7.", "answer": "42"}

@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.models.local_model import default_gguf
-from nemo_gym_prorl.service.trajectory import Trajectory
 from nemo_gym_prorl.train.base_model import hf_model_dir
 from nemo_gym_prorl.train.trl_adapter import trajectory_sample
 

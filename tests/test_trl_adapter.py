@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from nemo_gym_prorl.service.trajectory import Trajectory
+from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.train.trl_adapter import (
     REWARD_FIELD,
     TURNS_FIELD,

@@ -27,14 +27,14 @@ from selenium.webdriver.support.wait import WebDriverWait
 from standin_helpers import running_standin
 
 from nemo_gym_prorl.cli import main
-from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.contracts.job import JobRequest
+from nemo_gym_prorl.contracts.task import load_task
+from nemo_gym_prorl.contracts.trajectory import Reverification, Trajectory
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.service.client import SyncRolloutClient
-from nemo_gym_prorl.service.orchestrator import JobRequest
-from nemo_gym_prorl.service.report import RolloutReport
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
-from nemo_gym_prorl.service.serve import run_service
-from nemo_gym_prorl.service.trajectory import Reverification, Trajectory
+from nemo_gym_prorl.telemetry.report import RolloutReport
 from nemo_gym_prorl.viewer.app import create_viewer_app
 from nemo_gym_prorl.viewer.browser import headless_chromium
 from nemo_gym_prorl.viewer.serving import serving_in_thread

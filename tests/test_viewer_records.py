@@ -11,8 +11,8 @@ import nemo_gym
 import pytest
 
 from nemo_gym_prorl.bench.viewer import trajectory, write_file
+from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.service.store import JobStore
-from nemo_gym_prorl.service.trajectory import Trajectory
 from nemo_gym_prorl.viewer.app import create_viewer_app
 from nemo_gym_prorl.viewer.index import GroupQuery, ListQuery, facets, groups, page
 from nemo_gym_prorl.viewer.records import conversation, summarize

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import resources_servers.code_gen as code_gen
 
-from nemo_gym_prorl.envs.code_grading import GradingSettings, grade_programs
-from nemo_gym_prorl.envs.code_tests import CodeProblem, problem_from_row
+from nemo_gym_prorl.envs.code.cases import CodeProblem, problem_from_row
+from nemo_gym_prorl.envs.code.grading import GradingSettings, grade_programs
 
 TIMEOUT_S = 10  # per test, code_gen's unit_test_timeout_secs
 

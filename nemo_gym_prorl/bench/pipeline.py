@@ -18,10 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nemo_gym_prorl.agent.loop import AgentOutcome
+from nemo_gym_prorl.contracts.task import DatasetConfig, TaskConfig, TaskInstance
 from nemo_gym_prorl.envs.base import Episode, Evaluation, Submission
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.task import DatasetConfig, TaskConfig
-from nemo_gym_prorl.service.agent_loop import AgentOutcome
 from nemo_gym_prorl.service.pipeline import PipelineConfig, Rollout, RolloutPipeline, StageConfig
 
 
@@ -52,6 +51,7 @@ class SyntheticEnvironment:
     """Sleeps stand in for sandbox start and grading; the pipeline cannot tell the difference."""
 
     task = TaskConfig(name="synthetic", type="math", dataset=DatasetConfig(path=Path("synthetic.jsonl")))
+    keeps_submission = True
 
     def __init__(self, workloads: dict[str, Workload]) -> None:
         self.workloads = workloads

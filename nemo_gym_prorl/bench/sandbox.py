@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from nemo_gym.sandbox import SandboxSpec as GymSandboxSpec
 
 from nemo_gym_prorl.bench.tools import default_images, gym_sandbox, p50_p95, take_turns
+from nemo_gym_prorl.contracts.sandbox import Sandbox, SandboxLimits, SandboxSpec
+from nemo_gym_prorl.gym.sandbox_providers import gym_apptainer_config
 from nemo_gym_prorl.sandbox.apptainer import ApptainerSandbox
-from nemo_gym_prorl.sandbox.base import Sandbox, SandboxLimits, SandboxSpec
 from nemo_gym_prorl.sandbox.bwrap import BwrapSandbox
-from nemo_gym_prorl.sandbox.gym_provider import gym_apptainer_config
 
 # -- (a) start -> first command -> close ---------------------------------------------------------------------------
 

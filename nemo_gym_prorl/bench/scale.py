@@ -24,16 +24,16 @@ import httpx
 import psutil
 import yaml
 
+from nemo_gym_prorl.agent.llm_pool import LLMPoolConfig
 from nemo_gym_prorl.cluster.settings import RaySettings
-from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.contracts.job import JobRequest
+from nemo_gym_prorl.contracts.task import load_task
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
 from nemo_gym_prorl.service.client import RolloutClient
-from nemo_gym_prorl.service.llm_pool import LLMPoolConfig
-from nemo_gym_prorl.service.orchestrator import JobRequest
 from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
-from nemo_gym_prorl.service.serve import run_service
 
 ROW = {"id": "scale", "question": "Calculate 6 * 7.", "answer": "42"}
 SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]

@@ -37,13 +37,14 @@ import yaml
 
 from nemo_gym_prorl.bench.sandbox import cpu_seconds
 from nemo_gym_prorl.bench.tools import p50_p95, take_turns
-from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
-from nemo_gym_prorl.envs.swe import SweEnvironment
-from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.contracts.job import JobRequest
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
+from nemo_gym_prorl.envs.dataset import load_instances
+from nemo_gym_prorl.envs.swe.env import SweEnvironment
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceRuntime, ServiceSettings
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
-from nemo_gym_prorl.service.orchestrator import JobRequest, Orchestrator
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceRuntime, ServiceSettings
+from nemo_gym_prorl.service.orchestrator import Orchestrator
 from nemo_gym_prorl.tool_calls import ToolCall
 
 TASK = "swe/offline"

@@ -54,18 +54,18 @@ from typing import Any, Self
 import httpx
 import psutil
 
+from nemo_gym_prorl.agent.llm_pool import LLMPoolConfig
 from nemo_gym_prorl.cluster.settings import RaySettings
+from nemo_gym_prorl.contracts.job import JobRequest
+from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.gym.processes import GymEnv, gym_env_start, gym_environ, run_gym, session_members
 from nemo_gym_prorl.gym.venvs import ensure_venv_links
+from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceSettings
+from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
 from nemo_gym_prorl.service.client import RolloutClient
-from nemo_gym_prorl.service.llm_pool import LLMPoolConfig
-from nemo_gym_prorl.service.orchestrator import JobRequest
 from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
-from nemo_gym_prorl.service.runtime import ModelConfig, ServiceConfig, ServiceSettings
-from nemo_gym_prorl.service.serve import run_service
-from nemo_gym_prorl.service.trajectory import Trajectory
 
 RESOURCES_SERVER = "prorl_bench"
 GYM_AGENT = "prorl_bench_simple_agent"

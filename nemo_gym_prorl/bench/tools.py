@@ -28,11 +28,11 @@ from typing import Any, Protocol
 from nemo_gym.sandbox import AsyncSandbox
 from nemo_gym.sandbox import SandboxSpec as GymSandboxSpec
 
+from nemo_gym_prorl.contracts.sandbox import Sandbox, SandboxSpec
+from nemo_gym_prorl.gym.sandbox_providers import gym_apptainer_config
 from nemo_gym_prorl.sandbox import images
 from nemo_gym_prorl.sandbox.apptainer import ApptainerSandbox, remove_instance_logs
-from nemo_gym_prorl.sandbox.base import Sandbox, SandboxSpec
 from nemo_gym_prorl.sandbox.bwrap import BwrapSandbox
-from nemo_gym_prorl.sandbox.gym_provider import gym_apptainer_config
 from nemo_gym_prorl.tools.bash import BashTool
 
 COMMAND = "echo hi"

@@ -21,38 +21,24 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from nemo_gym_prorl.agent.loop import AgentLoop
 from nemo_gym_prorl.cluster.fleet_pool import FleetPool
+from nemo_gym_prorl.cluster.placement import WorkerRef
 from nemo_gym_prorl.cluster.remote_rollout import RemoteAgentLoop, RemoteEnvironment
 from nemo_gym_prorl.cluster.settings import RaySettings
 from nemo_gym_prorl.cluster.worker import Backend, RolloutWorker, WorkerSpec
+from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.envs import Environment
-from nemo_gym_prorl.models.engine import SamplingParams
-from nemo_gym_prorl.service.agent_loop import AgentLoop
 from nemo_gym_prorl.tool_calls import tool_call_format
 
 _log = logging.getLogger(__name__)
 _WORKER_START_S = 300.0
-
-
-@dataclass(eq=False)
-class WorkerRef:
-    actor: ActorHandle
-    node_id: str
-    name: str
-    slots: int
-    live: int = 0  # rollouts placed here holding a sandbox
-    ready: bool = False
-    info: dict[str, Any] = field(default_factory=dict)
-    lost_reason: str | None = None  # why the head gave up on it, for the rollouts it held
-    watch: asyncio.Task[None] | None = None  # its liveness pings, while it is ready
 
 
 class NoWorkers(RuntimeError):

@@ -5,22 +5,31 @@ reaches every worker's too; a worker started later gets the backends and the pau
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from nemo_gym_prorl.agent.llm_pool import LLMPool, normalize_address
 from nemo_gym_prorl.cluster.worker import Backend
-from nemo_gym_prorl.service.llm_pool import LLMPool, normalize_address
 
-if TYPE_CHECKING:
-    from nemo_gym_prorl.cluster.fleet import WorkerFleet
+
+class Workers(Protocol):
+    """The fleet, as its pool reaches every worker's pool."""
+
+    def add_backend(self, backend: Backend) -> None: ...
+
+    def remove_backend(self, address: str) -> None: ...
+
+    async def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
 
 
 class FleetPool(LLMPool):
     def __init__(self, *args: object, **kwargs: object) -> None:
         self._known: dict[str, Backend] = {}
-        self._fleet: WorkerFleet | None = None
+        self._fleet: Workers | None = None
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
-    def attach(self, fleet: WorkerFleet) -> None:
+    def attach(self, fleet: Workers) -> None:
         self._fleet = fleet
 
     def backend_list(self) -> list[Backend]:

@@ -23,18 +23,18 @@ from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from nemo_gym_prorl.agent.loop import AgentLoop, AgentOutcome
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.contracts.task import TaskInstance
 from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Submission
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.models.engine import SamplingParams
-from nemo_gym_prorl.service.agent_loop import AgentLoop, AgentOutcome
 from nemo_gym_prorl.service.pipeline import RolloutLost
-from nemo_gym_prorl.service.stage_clock import current_stage_clock
-from nemo_gym_prorl.service.tracing import graft
+from nemo_gym_prorl.telemetry.stage_clock import current_stage_clock
+from nemo_gym_prorl.telemetry.tracing import graft
 from nemo_gym_prorl.tool_calls import ToolCall, ToolCallFormat
 from nemo_gym_prorl.tools import ToolOutput
 
 if TYPE_CHECKING:
-    from nemo_gym_prorl.cluster.fleet import WorkerFleet, WorkerRef
+    from nemo_gym_prorl.cluster.placement import Placement, WorkerRef
     from nemo_gym_prorl.cluster.worker import RunReport
 
 
@@ -55,9 +55,10 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
 class RemoteEnvironment(Environment):
     """The task's environment for one rollout, its episodes living on the worker the fleet placed it on."""
 
-    def __init__(self, local: Environment, fleet: WorkerFleet, group: str, key: str) -> None:
+    def __init__(self, local: Environment, fleet: Placement, group: str, key: str) -> None:
         self.task, self.sandbox_backend, self.tools = local.task, local.sandbox_backend, local.tools
         self.plain_reply_ends_episode = local.plain_reply_ends_episode  # type: ignore[misc]
+        self.keeps_submission = local.keeps_submission  # type: ignore[misc]
         self._local = local
         self.fleet, self.group, self.key = fleet, group, key
         self.worker: WorkerRef | None = None  # holding a sandbox slot there, from init to close
@@ -69,6 +70,10 @@ class RemoteEnvironment(Environment):
     @property
     def shares_group_init(self) -> bool:
         return self._local.shares_group_init
+
+    @property
+    def can_fork(self) -> bool:
+        return self._local.can_fork
 
     def prompt_messages(self, instance: TaskInstance) -> list[dict[str, Any]]:
         return self._local.prompt_messages(instance)

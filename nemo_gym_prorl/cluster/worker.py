@@ -26,19 +26,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from nemo_gym_prorl.agent.llm_pool import LLMPool, LLMPoolConfig
+from nemo_gym_prorl.agent.loop import AgentOutcome
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance
+from nemo_gym_prorl.contracts.trajectory import TimedSpan
 from nemo_gym_prorl.envs import Environment, Episode, make_environment
 from nemo_gym_prorl.envs.base import Evaluation, Submission
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.task import TaskConfig
-from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.sandbox.bwrap import sweep_orphans
-from nemo_gym_prorl.service.agent_loop import AgentOutcome
-from nemo_gym_prorl.service.llm_pool import LLMPool, LLMPoolConfig
 from nemo_gym_prorl.service.orchestrator import ModelSettings, make_agent_loop
-from nemo_gym_prorl.service.stage_clock import StageClock, current_stage_clock
-from nemo_gym_prorl.service.tracing import DetachedRun
-from nemo_gym_prorl.service.trajectory import TimedSpan
+from nemo_gym_prorl.telemetry.stage_clock import StageClock, current_stage_clock
+from nemo_gym_prorl.telemetry.tracing import DetachedRun
 
 _log = logging.getLogger(__name__)
 _CLOSED_KEPT = 10_000

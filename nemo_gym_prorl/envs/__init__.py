@@ -10,22 +10,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from nemo_gym_prorl.contracts.task import TASK_TYPES, TaskConfig
+
 if TYPE_CHECKING:
     from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation
-    from nemo_gym_prorl.envs.task import TaskConfig
-
-_TYPES: dict[str, str] = {
-    "math": "nemo_gym_prorl.envs.math:MathEnvironment",
-    "gym": "nemo_gym_prorl.envs.gym_resources:GymResourcesEnvironment",
-    "code": "nemo_gym_prorl.envs.code:CodeEnvironment",
-    "stem": "nemo_gym_prorl.envs.stem:StemEnvironment",
-    "swe": "nemo_gym_prorl.envs.swe:SweEnvironment",
-}
-"""Task type -> the environment class that runs it, as module:class."""
-
 
 def environment_class(task_type: str) -> type[Environment]:
-    module, _, name = _TYPES[task_type].partition(":")
+    module, _, name = TASK_TYPES[task_type].partition(":")
     return getattr(importlib.import_module(module), name)
 
 

@@ -17,9 +17,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field
 
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.task import TaskConfig
-from nemo_gym_prorl.sandbox import WORKSPACE, Sandbox, SandboxSpec, open_sandbox
+from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance
+from nemo_gym_prorl.sandbox import WORKSPACE, Sandbox, SandboxSpec, backend_forks, open_sandbox
 from nemo_gym_prorl.tool_calls import ToolCall
 from nemo_gym_prorl.tools import ToolOutput, make_tools
 
@@ -49,6 +48,9 @@ class Environment(ABC):
     # Whether an assistant reply without a tool call ends the episode as its answer (how NeMo Gym's agents end
     # one) rather than being a format error the model is told about (how our tool-driven tasks treat it).
     plain_reply_ends_episode: ClassVar[bool] = False
+    # Whether the submission goes on the trajectory (what reverify grades again). A Gym task's is the server's
+    # session (output items and cookies): the server grades it, and the trajectory's messages hold what it saw.
+    keeps_submission: ClassVar[bool] = True
 
     def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap") -> None:
         self.task = task
@@ -108,6 +110,12 @@ class Environment(ABC):
         does when the service leaves it unset): worth it where staging costs more than a fork (a repository, an
         image). False: each sample inits on its own."""
         return False
+
+    @property
+    def can_fork(self) -> bool:
+        """Whether an episode can be forked (`fork`): its whole state after init is its sandbox's workspace, and
+        the sandbox backend forks."""
+        return backend_forks(self.sandbox_backend)
 
     async def fork(self, episode: Episode, into: list[Environment]) -> list[Episode]:
         """GRPO group forking (service/group_fork.py): an episode for each environment of `into` (the samples' own;

@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import datasets
-from pydantic import BaseModel
 
-from nemo_gym_prorl.envs.task import DatasetConfig
+from nemo_gym_prorl.contracts.task import DatasetConfig, TaskInstance
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-
-class TaskInstance(BaseModel):
-    instance_id: str
-    data: dict[str, Any]
 
 
 def load_instances(config: DatasetConfig, limit: int | None = None) -> list[TaskInstance]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_gym_prorl.contracts.task import TaskInstance
 from nemo_gym_prorl.envs.base import Environment
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.gym_resources import row_prompt_messages
+from nemo_gym_prorl.envs.gym.env import row_prompt_messages
 
 
 class GymRowPrompt(Environment):

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
 from nemo_gym_prorl.envs import Environment, make_environment
-from nemo_gym_prorl.envs.dataset import TaskInstance, load_instances
-from nemo_gym_prorl.envs.task import load_task
+from nemo_gym_prorl.envs.dataset import load_instances
 
 INSTANCE_ID = "instance_id"
 # Keys Gym adds to or keeps on a row that are not the task's own columns (it prefixes its internal ones with "_").

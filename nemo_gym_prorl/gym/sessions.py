@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
+from nemo_gym_prorl.contracts.task import TaskInstance
 from nemo_gym_prorl.envs import Environment, Episode
-from nemo_gym_prorl.envs.dataset import TaskInstance
 
 
 class SessionClosedError(RuntimeError):

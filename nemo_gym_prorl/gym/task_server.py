@@ -32,9 +32,8 @@ from nemo_gym.server_utils import SESSION_ID_KEY
 from nemo_gym.verifier_fixture import VerifierFixture, exercise_verifier_fixture, load_verifier_fixture
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
+from nemo_gym_prorl.contracts.task import TaskInstance, load_task
 from nemo_gym_prorl.envs import Environment, Episode, Evaluation, make_environment
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.task import load_task
 from nemo_gym_prorl.gym.answers import AnswerSource, submitted_answer
 from nemo_gym_prorl.gym.row_session_server import RowSessionServer, RowVerifyRequest
 from nemo_gym_prorl.gym.sessions import EpisodeSessions, SessionClosedError, closing_on_shutdown

@@ -22,8 +22,8 @@ from typing import Literal
 
 import llama_cpp
 import numpy as np
-from pydantic import BaseModel, Field
 
+from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.models.llama_log import route_llama_logs
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 
@@ -37,16 +37,6 @@ _NEGLIGIBLE_LOGIT_GAP = 30.0
 
 class ContextLengthError(ValueError):
     """The prompt plus the requested completion do not fit the context window."""
-
-
-class SamplingParams(BaseModel):
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, description="-1 or 0: no top-k")
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
-    top_logprobs: int = Field(0, ge=0, le=20)
 
 
 @dataclass

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from nemo_gym_prorl.models.engine import SamplingParams
+from nemo_gym_prorl.contracts.sampling import SamplingParams
 
 
 class _Request(BaseModel):

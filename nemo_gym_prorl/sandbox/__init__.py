@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from nemo_gym_prorl.sandbox.apptainer import ApptainerSandbox
-from nemo_gym_prorl.sandbox.base import (
+from nemo_gym_prorl.contracts.sandbox import (
     WORKSPACE,
     ExecResult,
     Sandbox,
@@ -13,6 +12,7 @@ from nemo_gym_prorl.sandbox.base import (
     SandboxLimits,
     SandboxSpec,
 )
+from nemo_gym_prorl.sandbox.apptainer import ApptainerSandbox
 from nemo_gym_prorl.sandbox.bwrap import BwrapSandbox
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "SandboxError",
     "SandboxLimits",
     "SandboxSpec",
+    "backend_forks",
     "backends",
     "open_sandbox",
     "register_backend",
@@ -42,6 +43,12 @@ register_backend("apptainer", ApptainerSandbox)
 def backends() -> list[str]:
     """The names `open_sandbox` takes (besides ``gym:<provider>``), in registration order."""
     return list(_BACKENDS)
+
+
+def backend_forks(backend: str) -> bool:
+    """Whether `backend`'s sandboxes fork (``Sandbox.fork``, copy-on-write: GRPO group forking); Gym's providers
+    (``gym:<provider>``) do not."""
+    return callable(getattr(_BACKENDS.get(backend), "fork", None))
 
 
 def open_sandbox(backend: str, spec: SandboxSpec) -> Sandbox:

@@ -59,7 +59,6 @@ import pwd
 import re
 import secrets
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -68,17 +67,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_prorl.contracts.sandbox import ExecResult, SandboxError, SandboxSpec, with_note
 from nemo_gym_prorl.sandbox import disk, images, passwd, seccomp
-from nemo_gym_prorl.sandbox.base import ExecResult, SandboxError, SandboxSpec, with_note
+from nemo_gym_prorl.sandbox.apptainer_binary import find_apptainer
 from nemo_gym_prorl.sandbox.disk import SandboxDisk
 from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle, to_thread_to_the_end
 from nemo_gym_prorl.sandbox.limits import OutputCap, rlimits
 from nemo_gym_prorl.sandbox.pty_shell import PtyShell, ShellLauncher
 from nemo_gym_prorl.sandbox.workspace import HostWorkspace, remove_tree
 
-APPTAINER_ENV = "PRORL_APPTAINER"
-PREFIX_ENV = "PRORL_APPTAINER_PREFIX"
-INSTALL_SCRIPT = "scripts/install_apptainer.sh"
 CONTROL_DIR = "/.prorl"
 INSTANCE_PREFIX = "prorl-"
 SANDBOX_UID = 65534
@@ -86,7 +83,6 @@ SANDBOX_UID = 65534
 
 log = logging.getLogger(__name__)
 
-_REPO = Path(__file__).resolve().parents[2]
 _NAME_RE = re.compile(r"^prorl-(\d+)-(\d+)-[0-9a-f]{8}$")
 _PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 _KEEP_CAPS = frozenset({"CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"})
@@ -106,24 +102,6 @@ _STOP_WAIT_S = 5.0
 _SECCOMP_FILE = "seccomp.json"
 _PF_EXITING = 0x4  # a process's flag (in /proc/PID/stat) from the moment it begins to exit
 _STARTUP_PIDS = 64  # room for Apptainer's own tasks until the shell is up and the pids limit is tightened
-
-
-def find_apptainer() -> str:
-    """The `apptainer` binary: `$PRORL_APPTAINER`, else the prefix the install script uses
-    (`$PRORL_APPTAINER_PREFIX`, by default the repo's `.apptainer`), else PATH."""
-    configured = os.environ.get(APPTAINER_ENV)
-    if configured:
-        if not os.access(configured, os.X_OK):
-            raise SandboxError(f"${APPTAINER_ENV}={configured} is not an executable")
-        return configured
-    prefix = os.environ.get(PREFIX_ENV) or _REPO / ".apptainer"
-    private = Path(prefix) / "usr" / "bin" / "apptainer"
-    if os.access(private, os.X_OK):
-        return str(private)
-    found = shutil.which("apptainer")
-    if found:
-        return found
-    raise SandboxError(f"apptainer is not installed: run {_REPO / INSTALL_SCRIPT} (or set ${APPTAINER_ENV})")
 
 
 def list_instances(apptainer: str | None = None) -> dict[str, dict[str, Any]]:

@@ -67,8 +67,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from nemo_gym_prorl.sandbox import disk, passwd
-from nemo_gym_prorl.sandbox.base import (
+from nemo_gym_prorl.contracts.sandbox import (
     ExecResult,
     FileTooLargeError,
     NotARegularFileError,
@@ -77,6 +76,7 @@ from nemo_gym_prorl.sandbox.base import (
     SandboxSpec,
     with_note,
 )
+from nemo_gym_prorl.sandbox import disk, passwd
 from nemo_gym_prorl.sandbox.disk import SandboxDisk
 from nemo_gym_prorl.sandbox.interrupts import interruptible_children
 from nemo_gym_prorl.sandbox.lifecycle import SandboxLifecycle, to_thread_to_the_end

@@ -50,7 +50,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from nemo_gym_prorl.sandbox.base import SandboxError
+from nemo_gym_prorl.contracts.sandbox import SandboxError
 from nemo_gym_prorl.sandbox.syscalls import syscall
 
 _MNT_DETACH = 2

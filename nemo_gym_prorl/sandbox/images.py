@@ -31,6 +31,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nemo_gym_prorl.sandbox.apptainer_binary import find_apptainer
+
 CACHE_ENV = "PRORL_IMAGE_CACHE"
 DEFAULT_PACKAGES: tuple[str, ...] = (
     "python3",
@@ -201,8 +203,6 @@ def build_sif(rootfs: Path, *, apptainer: str | None = None, force: bool = False
     target = sif_path(rootfs)
     if target.is_file() and not force:
         return target
-    from nemo_gym_prorl.sandbox.apptainer import find_apptainer  # the binary locator lives with its backend
-
     binary = apptainer or find_apptainer()
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target):

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Self
 
-from nemo_gym_prorl.sandbox.base import SandboxError, SandboxSpec
+from nemo_gym_prorl.contracts.sandbox import SandboxError, SandboxSpec
 
 _log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import termios
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from nemo_gym_prorl.sandbox.base import ExecResult, SandboxError, with_note
+from nemo_gym_prorl.contracts.sandbox import ExecResult, SandboxError, with_note
 from nemo_gym_prorl.sandbox.interrupts import interruptible_children
 from nemo_gym_prorl.sandbox.limits import OutputCap
 

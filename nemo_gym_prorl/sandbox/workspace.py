@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from nemo_gym_prorl.sandbox.base import (
+from nemo_gym_prorl.contracts.sandbox import (
     WORKSPACE,
     FileTooLargeError,
     NotARegularFileError,

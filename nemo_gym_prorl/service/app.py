@@ -24,10 +24,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from nemo_gym_prorl.contracts.job import JobRequest, JobView
+from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.service.metrics import ServiceMetrics
-from nemo_gym_prorl.service.orchestrator import JobConflict, JobRequest, JobView, Orchestrator, RejectedJob
-from nemo_gym_prorl.service.trajectory import Trajectory
-from nemo_gym_prorl.viewer.service_ui import service_viewer
+from nemo_gym_prorl.service.orchestrator import JobConflict, Orchestrator, RejectedJob
 
 
 class ProcessRequest(JobRequest):
@@ -225,5 +225,4 @@ def create_app(orchestrator: Orchestrator, token: str | None = None, max_body_by
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    app.mount("/ui", service_viewer(orchestrator, token))  # the rollout viewer, behind the same token
     return app

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import httpx
 from pydantic import BaseModel
 
-from nemo_gym_prorl.models.engine import SamplingParams
-from nemo_gym_prorl.service.orchestrator import JobRequest, JobView, Orchestrator
-from nemo_gym_prorl.service.trajectory import Trajectory
+from nemo_gym_prorl.contracts.job import JobRequest, JobView
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.contracts.trajectory import Trajectory
+
+if TYPE_CHECKING:  # a trainer's import of the client loads no engine, dataset or sandbox code
+    from nemo_gym_prorl.service.orchestrator import Orchestrator
 
 # A connection that broke under a request: typically a keep-alive connection the server closed as it was reused.
 _DROPPED = (httpx.NetworkError, httpx.RemoteProtocolError)

@@ -14,9 +14,9 @@ server (no sandbox of ours to fork), so its samples init one by one. Backends wi
 init one by one too. On Ray, the group's init runs on one rollout worker and its forks are made and held there
 (``RemoteEnvironment.fork``), each taking a sandbox slot of that worker.
 
-Whether it can fork is the task type's and the backend's (``can_fork``). Whether it does: the service's
-``service.pipeline.fork_groups`` when set; unset, each task's environment says (``Environment.shares_group_init``:
-where staging costs more than a fork, as SWE's repositories do). Forking changes nothing a sample sees, only what
+Whether it can fork is the environment's to say (``Environment.can_fork``: its task type and its backend). Whether
+it does: the service's ``service.pipeline.fork_groups`` when set; unset, each task's environment says
+(``Environment.shares_group_init``: where staging costs more than a fork, as SWE's repositories do). Forking changes nothing a sample sees, only what
 its init costs and when the samples of a group start (together, once the shared init is done, with all n sandbox
 slots taken before it).
 
@@ -35,23 +35,9 @@ import traceback
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from nemo_gym_prorl.contracts.task import TaskInstance
+from nemo_gym_prorl.contracts.trajectory import TimedSpan
 from nemo_gym_prorl.envs.base import Environment, Episode
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.sandbox import SandboxSpec, open_sandbox
-from nemo_gym_prorl.service.trajectory import TimedSpan
-
-_UNFORKABLE_TASK_TYPES = frozenset({"gym"})  # the episode is the Gym server's session, not a sandbox of ours
-_backend_forks: dict[str, bool] = {}
-
-
-def can_fork(env: Environment) -> bool:
-    """Whether `env`'s episodes can be forked: its task type stages into our sandbox and its backend forks."""
-    if env.task.type in _UNFORKABLE_TASK_TYPES:
-        return False
-    backend = env.sandbox_backend
-    if backend not in _backend_forks:
-        _backend_forks[backend] = callable(getattr(open_sandbox(backend, SandboxSpec()), "fork", None))
-    return _backend_forks[backend]
 
 
 class GroupInitFailed(RuntimeError):

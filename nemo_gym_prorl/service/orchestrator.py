@@ -9,64 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import re
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from nemo_gym_prorl.agent.llm_pool import LLMPool
+from nemo_gym_prorl.agent.loop import AgentLoop
+from nemo_gym_prorl.agent.turns import GenerationMode, turn_generator
+from nemo_gym_prorl.contracts.job import JobRequest, JobView
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance, ToolCallFormatName
+from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, Trajectory
 from nemo_gym_prorl.envs import Environment, Episode, make_environment
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.task import TaskConfig
-from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.models.tokenizer import Tokenizer
-from nemo_gym_prorl.service.agent_loop import AgentLoop
-from nemo_gym_prorl.service.llm_client import GenerationMode, turn_generator
-from nemo_gym_prorl.service.llm_pool import LLMPool
 from nemo_gym_prorl.service.pipeline import Rollout, RolloutPipeline, Stage
 from nemo_gym_prorl.service.store import JobState, JobStore, RecoveryPolicy, StoredJob
-from nemo_gym_prorl.service.trajectory import TOKEN_FIELDS, Trajectory
-from nemo_gym_prorl.tool_calls import ToolCallFormatName, tool_call_format
-
-_JOB_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
-
-
-class Deadlines(BaseModel):
-    """Per-job deadlines in seconds of stage time (queue time never counts); unset ones use the service's."""
-
-    model_config = ConfigDict(extra="forbid")
-    init_s: float | None = Field(None, gt=0)
-    run_s: float | None = Field(None, gt=0)
-    eval_s: float | None = Field(None, gt=0)
-    total_s: float | None = Field(None, gt=0)
-
-
-class JobRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    task: str | None = Field(None, description="a task the service runs; its first task when unset")
-    instance: dict[str, Any] = Field(description="one dataset row of that task")
-    instance_id: str | None = None
-    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
-    n: int = Field(1, ge=1, description="samples of this instance (a GRPO group)")
-    job_id: str | None = None
-    deadlines: Deadlines = Field(default_factory=Deadlines)
-
-    @field_validator("job_id")
-    @classmethod
-    def _job_id_shape(cls, job_id: str | None) -> str | None:
-        if job_id is not None and not _JOB_ID.match(job_id):
-            raise ValueError("job_id must be 1-128 characters of letters, digits, _ . : -")
-        return job_id
-
-
-class JobView(BaseModel):
-    job_id: str
-    state: str
-    n: int
-    finished: int
-    results: list[Trajectory]
+from nemo_gym_prorl.tool_calls import tool_call_format
 
 
 class RejectedJob(ValueError):

@@ -33,14 +33,14 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from nemo_gym_prorl.agent.loop import AgentLoop, AgentOutcome
+from nemo_gym_prorl.contracts.task import TaskInstance
+from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.envs.base import Environment, Episode, Submission
-from nemo_gym_prorl.envs.dataset import TaskInstance
 from nemo_gym_prorl.sandbox.lifecycle import to_the_end
-from nemo_gym_prorl.service.agent_loop import AgentLoop, AgentOutcome
-from nemo_gym_prorl.service.group_fork import ForkGroup, can_fork
-from nemo_gym_prorl.service.stage_clock import StageClock, current_stage_clock
-from nemo_gym_prorl.service.tracing import RolloutTrace, graft
-from nemo_gym_prorl.service.trajectory import Trajectory
+from nemo_gym_prorl.service.group_fork import ForkGroup
+from nemo_gym_prorl.telemetry.stage_clock import StageClock, current_stage_clock
+from nemo_gym_prorl.telemetry.tracing import RolloutTrace, graft
 
 _log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class RolloutPipeline:
 
     def _forks_groups(self, env: Environment) -> bool:
         wanted = self.config.fork_groups if self.config.fork_groups is not None else env.shares_group_init
-        return wanted and can_fork(env)
+        return wanted and env.can_fork
 
     async def cancel(self, rollout: Rollout) -> None:
         """End `rollout` as cancelled now: a running stage is interrupted, a held sandbox is closed."""
@@ -412,7 +412,7 @@ class RolloutPipeline:
             outcome = rollout.outcome
             t.messages, t.tools, t.finish = outcome.messages, outcome.tools, outcome.finish
             t.num_tool_calls, t.num_format_errors = outcome.num_tool_calls, outcome.num_format_errors
-        if rollout.submission is not None and rollout.env.task.type != "gym":  # a Gym server grades a session
+        if rollout.submission is not None and rollout.env.keeps_submission:
             t.submission = rollout.submission
 
     async def _close_sandbox(self, rollout: Rollout) -> str | None:

@@ -15,7 +15,7 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel
 
-from nemo_gym_prorl.service.trajectory import Trajectory
+from nemo_gym_prorl.contracts.trajectory import Trajectory
 
 JobState = Literal["queued", "running", "done", "cancelled"]
 RecoveryPolicy = Literal["requeue", "fail"]

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from nemo_gym_prorl.sandbox.base import WORKSPACE, Sandbox, SandboxSpec
+from nemo_gym_prorl.contracts.sandbox import WORKSPACE, Sandbox, SandboxSpec
 
 
 class ToolOutput(BaseModel):

@@ -18,7 +18,7 @@ import posixpath
 import weakref
 from typing import Any
 
-from nemo_gym_prorl.sandbox.base import WORKSPACE, Sandbox
+from nemo_gym_prorl.contracts.sandbox import WORKSPACE, Sandbox
 from nemo_gym_prorl.tools.base import ToolOutput, function_schema, workspace_dir
 
 COMMANDS = ("view", "create", "str_replace", "insert", "undo_edit")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_gym_prorl.sandbox.base import WORKSPACE, Sandbox
+from nemo_gym_prorl.contracts.sandbox import WORKSPACE, Sandbox
 from nemo_gym_prorl.tools.base import ToolOutput, function_schema
 
 

@@ -26,7 +26,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_prorl.sandbox.base import WORKSPACE, Sandbox
+from nemo_gym_prorl.contracts.sandbox import WORKSPACE, Sandbox
 from nemo_gym_prorl.tools.base import ToolOutput, function_schema, string_argument, workspace_dir
 
 STATE_DIR = ".prorl/python"

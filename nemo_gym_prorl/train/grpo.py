@@ -29,16 +29,15 @@ import httpx
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.task import TaskConfig
-from nemo_gym_prorl.models.engine import SamplingParams
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance
+from nemo_gym_prorl.contracts.trajectory import Trajectory
+from nemo_gym_prorl.launch.job import RemoteService, TaskChoice, in_process_service
+from nemo_gym_prorl.launch.runtime import ModelConfig, SandboxConfig, ServiceRuntime
+from nemo_gym_prorl.launch.startup import StartupError
 from nemo_gym_prorl.models.launcher import LocalModelConfig
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.service.client import RolloutClient, RolloutService
-from nemo_gym_prorl.service.job import RemoteService, TaskChoice, in_process_service
-from nemo_gym_prorl.service.runtime import ModelConfig, SandboxConfig, ServiceRuntime
-from nemo_gym_prorl.service.trajectory import Trajectory
-from nemo_gym_prorl.startup import StartupError
 from nemo_gym_prorl.train.loop_thread import LoopThread
 
 log = logging.getLogger(__name__)
@@ -144,7 +143,7 @@ def _check_service(url: str, token: str | None) -> None:
 
 def plan(config: TrainConfig, task: TaskConfig) -> TrainPlan:
     """Check everything that can be wrong with what the user asked for, before any model loads."""
-    from nemo_gym_prorl.data_export import ExportUsageError, split_instances
+    from nemo_gym_prorl.gym.data_export import ExportUsageError, split_instances
 
     if config.model.kind != "local":
         raise TrainSetupError("prorl train generates every turn with the trainer's own weights: use model=local "

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from scipy import stats
 
-from nemo_gym_prorl.service.trajectory import Trajectory
+from nemo_gym_prorl.contracts.trajectory import Trajectory
 
 
 @dataclass

@@ -23,13 +23,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from nemo_gym_prorl.contracts.job import JobRequest
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance
+from nemo_gym_prorl.contracts.trajectory import Trajectory, contiguity_violation
 from nemo_gym_prorl.envs import make_environment
-from nemo_gym_prorl.envs.dataset import TaskInstance
-from nemo_gym_prorl.envs.task import TaskConfig
-from nemo_gym_prorl.models.engine import SamplingParams
 from nemo_gym_prorl.service.client import RolloutService
-from nemo_gym_prorl.service.orchestrator import JobRequest
-from nemo_gym_prorl.service.trajectory import Trajectory, contiguity_violation
 
 if TYPE_CHECKING:
     from datasets import Dataset

@@ -1,6 +1,6 @@
 """One rollout row as the viewer shows it, from either shape of file it opens:
 
-- a trajectory as ``prorl rollout`` and the service write it (``service/trajectory.py``): ``messages`` with the token
+- a trajectory as ``prorl rollout`` and the service write it (``contracts/trajectory.py``): ``messages`` with the token
   fields on assistant turns, ``reward``, ``finish``, ``critical_error``, ``evaluation``, ``timing``;
 - a row as NeMo Gym's ``gym eval run`` writes it: a verify response (``responses_create_params.input``,
   ``response.output`` items, ``reward``) with Gym's ``_ng_task_index`` / ``_ng_rollout_index`` and whatever the

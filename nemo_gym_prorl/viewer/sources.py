@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from nemo_gym_prorl.service.report import read_config_record
 from nemo_gym_prorl.service.store import JobStore
+from nemo_gym_prorl.telemetry.report import read_config_record
 from nemo_gym_prorl.viewer.records import RowShapeError, Summary, summarize
 
 _YIELD_EVERY = 8  # rows the background reader parses between two chances for the server's thread to run

@@ -2,7 +2,7 @@
 
 For a single-node run a recipe then starts everything: Gym starts this agent, the agent starts the service
 (pipeline, job store, LLM pool) and its sandboxes run on the node Gym runs on. `/run` and `/aggregate_metrics` are
-the service's own (`nemo_gym_prorl.service.gym_agent`), so a row gets the same rollout and the same verify response
+the service's own (`nemo_gym_prorl.gym.agent_routes`), so a row gets the same rollout and the same verify response
 as through the relay to a `prorl serve` (`responses_api_agents/prorl_service`). The model backends are the training
 policy's servers from Gym's global config, registered before the first `/run`; `rollout_service.model` says how to
 talk to them (chat mode for NeMo RL's server) and `rollout_service.service` which tasks, pipeline and limits to run.
@@ -18,11 +18,11 @@ from fastapi.responses import JSONResponse
 from nemo_gym.base_resources_server import AggregateMetricsRequest
 from pydantic import Field, PrivateAttr, ValidationError
 
+from nemo_gym_prorl.gym.agent_routes import GymRunRequest, aggregate_metrics, run_row
 from nemo_gym_prorl.gym.policy import PolicyBackends
 from nemo_gym_prorl.gym.rollout_agent import RolloutAgent, RolloutAgentConfig
-from nemo_gym_prorl.service.gym_agent import GymRunRequest, aggregate_metrics, run_row
+from nemo_gym_prorl.launch.runtime import ServiceConfig, ServiceRuntime
 from nemo_gym_prorl.service.orchestrator import Orchestrator, RejectedJob
-from nemo_gym_prorl.service.runtime import ServiceConfig, ServiceRuntime
 
 
 class ProrlAgentConfig(RolloutAgentConfig):

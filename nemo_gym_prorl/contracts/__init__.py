@@ -1,0 +1,1 @@
+"""What crosses a boundary: jobs, tasks, trajectories, sampling, sandboxes; data only, light imports."""

@@ -1,0 +1,49 @@
+"""A job, as a trainer submits it and reads it back: one task instance, its sampling parameters, n samples."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.contracts.trajectory import Trajectory
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+class Deadlines(BaseModel):
+    """Per-job deadlines in seconds of stage time (queue time never counts); unset ones use the service's."""
+
+    model_config = ConfigDict(extra="forbid")
+    init_s: float | None = Field(None, gt=0)
+    run_s: float | None = Field(None, gt=0)
+    eval_s: float | None = Field(None, gt=0)
+    total_s: float | None = Field(None, gt=0)
+
+
+class JobRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    task: str | None = Field(None, description="a task the service runs; its first task when unset")
+    instance: dict[str, Any] = Field(description="one dataset row of that task")
+    instance_id: str | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    n: int = Field(1, ge=1, description="samples of this instance (a GRPO group)")
+    job_id: str | None = None
+    deadlines: Deadlines = Field(default_factory=Deadlines)
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id_shape(cls, job_id: str | None) -> str | None:
+        if job_id is not None and not _JOB_ID.match(job_id):
+            raise ValueError("job_id must be 1-128 characters of letters, digits, _ . : -")
+        return job_id
+
+
+class JobView(BaseModel):
+    job_id: str
+    state: str
+    n: int
+    finished: int
+    results: list[Trajectory]

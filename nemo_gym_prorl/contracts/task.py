@@ -1,0 +1,175 @@
+"""Task configs: a YAML under `tasks/` names a task type, its dataset, prompt, tools and limits — no code.
+
+A task name (`math/arithmetic`) is looked up in the users' task folders first (`prorl` adds `DIR/tasks` for each
+`--config-dir` / `hydra.searchpath` entry DIR), then in the package's own `tasks/`. Loading fails fast with one
+line that names the file and what is wrong in it.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from nemo_gym_prorl.contracts.sandbox import SandboxLimits
+
+# The package's tasks: in a checkout nemo_gym_prorl/tasks links to the top-level tasks/, a wheel carries a copy.
+TASKS_DIR = Path(str(importlib.resources.files("nemo_gym_prorl") / "tasks"))
+
+
+ToolCallFormatName = Literal["hermes", "openai", "codeact"]
+
+
+TASK_TYPES: dict[str, str] = {
+    "math": "nemo_gym_prorl.envs.math.env:MathEnvironment",
+    "gym": "nemo_gym_prorl.envs.gym.env:GymResourcesEnvironment",
+    "code": "nemo_gym_prorl.envs.code.env:CodeEnvironment",
+    "stem": "nemo_gym_prorl.envs.stem.env:StemEnvironment",
+    "swe": "nemo_gym_prorl.envs.swe.env:SweEnvironment",
+}
+"""The registry of task types: each type's environment class (in its folder of envs/), as module:class. It is
+imported when a task of that type first runs."""
+
+
+class TaskConfigError(ValueError):
+    """A task YAML that cannot be used; the message names the file and the problem."""
+
+
+class DatasetConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: Path = Field(description="JSONL or parquet file; relative paths are relative to the task YAML")
+    id_key: str | None = Field(None, description="column holding the instance id; the row index when unset")
+    validation_path: Path | None = Field(None, description="the validation split's own file; `path` is then train")
+    validation_fraction: float = Field(
+        0.1, ge=0, lt=1, description="without validation_path: the share of `path` held out for validation, chosen "
+        "by a hash of each instance id (the same split every time, whatever the row order)",
+    )  # fmt: skip
+
+
+class ExampleMessage(BaseModel):
+    """One message of a worked example: a user's question or observation, or the assistant's reply."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str
+
+
+class TaskConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not a silent default
+    name: str
+    type: str = Field(description="a task type of TASK_TYPES")
+    dataset: DatasetConfig
+    system_prompt: str = ""
+    prompt_template: str = Field("", description="str.format template over the dataset row's columns")
+    examples: list[ExampleMessage] = Field(
+        default_factory=list, description="a worked conversation (user, assistant, user, ..., assistant) between the "
+        "system prompt and the task's prompt: a small model follows turns it has seen far better than instructions",
+    )  # fmt: skip
+    tools: list[str] = Field(default_factory=list)
+    tool_call_format: ToolCallFormatName | None = Field(None, description="overrides the model's default")
+    max_turns: int = Field(8, ge=1)
+    tool_timeout_s: float = Field(30.0, gt=0)
+    limits: SandboxLimits = Field(default_factory=SandboxLimits)
+    verifier: dict[str, Any] = Field(default_factory=dict, description="settings of the task type's grader")
+    resources_server_url: str | None = Field(None, description="type gym: the NeMo Gym resources server")
+
+    @field_validator("type")
+    @classmethod
+    def _registered_type(cls, task_type: str) -> str:
+        if task_type not in TASK_TYPES:
+            raise ValueError(f"expected one of {', '.join(TASK_TYPES)}, got {task_type!r}")
+        return task_type
+
+    @field_validator("examples")
+    @classmethod
+    def _turns_alternate(cls, examples: list[ExampleMessage]) -> list[ExampleMessage]:
+        roles = [message.role for message in examples]
+        if roles != ["user", "assistant"] * (len(roles) // 2):
+            raise ValueError("examples must alternate user, assistant, ... and end with the assistant's reply")
+        return examples
+
+    def example_messages(self) -> list[dict[str, Any]]:
+        """The worked example as chat messages, to go before the task's prompt."""
+        return [message.model_dump() for message in self.examples]
+
+
+def task_path(name: str, search_dirs: Sequence[Path] = ()) -> Path:
+    """`math/arithmetic` -> the first `<dir>/math/arithmetic.yaml` in `search_dirs`, else the package's
+    tasks/math/arithmetic.yaml (existing or not); a path to a YAML is taken as is."""
+    candidate = Path(name)
+    if candidate.suffix in (".yaml", ".yml"):
+        return candidate
+    for folder in search_dirs:
+        found = folder / f"{name}.yaml"
+        if found.is_file():
+            return found
+    return TASKS_DIR / f"{name}.yaml"
+
+
+def known_tasks(search_dirs: Sequence[Path] = ()) -> list[str]:
+    folders = [*search_dirs, TASKS_DIR]
+    return sorted({str(p.relative_to(d).with_suffix("")) for d in folders for p in d.rglob("*.yaml")})
+
+
+def load_task(name: str, search_dirs: Sequence[Path] = ()) -> TaskConfig:
+    path = task_path(name, search_dirs)
+    if not path.is_file():
+        known = ", ".join(known_tasks(search_dirs))
+        raise TaskConfigError(f"unknown task {name!r}: no {path}; known tasks: {known}")
+    raw = _task_mapping(path, search_dirs, ())
+    try:
+        task = TaskConfig.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise TaskConfigError(f"task file {path}: field {field!r}: {first['msg']}") from None
+    for key in ("path", "validation_path"):
+        file = getattr(task.dataset, key)
+        if file is not None and not file.is_file():
+            raise TaskConfigError(f"task {task.name!r}: dataset file {file} does not exist")
+    return task
+
+
+def _task_mapping(path: Path, search_dirs: Sequence[Path], seen: tuple[Path, ...]) -> dict[str, Any]:
+    """A task file's mapping, laid over the task it `extends` (mappings merged key by key, anything else replaced),
+    its dataset files made absolute against the file that names them."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise TaskConfigError(f"task file {path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(raw, dict):
+        raise TaskConfigError(f"task file {path} must hold a mapping, got {type(raw).__name__}")
+    dataset = raw.get("dataset")
+    if isinstance(dataset, dict):
+        for key in ("path", "validation_path"):
+            if isinstance(dataset.get(key), str):
+                dataset[key] = (path.parent / dataset[key]).resolve()
+    base = raw.pop("extends", None)
+    if base is None:
+        return raw
+    base_path = task_path(base, search_dirs) if isinstance(base, str) else None
+    if base_path is None or not base_path.is_file():
+        raise TaskConfigError(f"task file {path}: field 'extends': expected the name of a task, got {base!r}")
+    if base_path.resolve() in seen:
+        raise TaskConfigError(f"task file {path}: field 'extends': {base!r} extends itself")
+    return _merged(_task_mapping(base_path, search_dirs, (*seen, path.resolve())), raw)
+
+
+def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            value = _merged(merged[key], value)
+        merged[key] = value
+    return merged
+
+
+class TaskInstance(BaseModel):
+    instance_id: str
+    data: dict[str, Any]

@@ -1,0 +1,109 @@
+"""Code: the model writes a program; it is graded by running unit tests in a fresh sandbox (`code_grading`).
+
+Rows are LiveCodeBench-style (NeMo Gym's ``code_gen`` rows as they are: stdin/stdout or call-based) or
+HumanEval-style (`code_tests`). The agent may try its code in its own sandbox first: the problem is staged as
+``problem.md`` and, with ``verifier.public_tests: N``, the first N tests as ``tests/<i>.in`` / ``tests/<i>.out``
+(``.json`` arguments and return value for call-based rows). Its answer is, in this order: a workspace file its
+final answer names (``solution.py``), the last fenced code block of its final answer, the last ``python`` block it
+wrote during the episode. A task without a ``prompt_template`` takes its first prompt from the row's
+``responses_create_params`` (Gym rows keep their own prompts).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from typing import Any
+
+from pydantic import Field, ValidationError
+
+from nemo_gym_prorl.contracts.sandbox import WORKSPACE, SandboxError
+from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance
+from nemo_gym_prorl.envs.base import Episode, Evaluation, Submission
+from nemo_gym_prorl.envs.code.cases import CodeProblem, final_code_block, problem_from_row
+from nemo_gym_prorl.envs.code.grading import GradingSettings, grade_program
+from nemo_gym_prorl.envs.row_prompt import GymRowPrompt
+
+_FILE_NAME = re.compile(r"^\s*`?((?:/workspace/)?[\w./-]+\.py)`?\s*$")
+_PYTHON_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL)
+
+
+class CodeVerifierSettings(GradingSettings):
+    public_tests: int = Field(0, ge=0, description="tests staged in the agent's workspace to try its code on")
+
+
+def submitted_file(answer: str | None) -> str | None:
+    """The workspace path an answer names (``solution.py``, ``/workspace/sol.py``), None when it names none."""
+    match = _FILE_NAME.match(answer or "")
+    if match is None:
+        return None
+    path = posixpath.normpath(match.group(1))
+    return path.removeprefix(WORKSPACE + "/") if path.startswith(WORKSPACE + "/") else path
+
+
+def submitted_code(answer: str | None, messages: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """(code, where it came from) from the final answer, else from the last python block the model generated (never
+    from a task's worked example, which is an assistant message the model did not write)."""
+    if answer and (block := final_code_block(answer)) is not None:
+        return block, "answer code block"
+    for message in reversed(messages):
+        generated = message.get("role") == "assistant" and "generation_token_ids" in message
+        if generated and isinstance(message.get("content"), str):
+            blocks = _PYTHON_BLOCK.findall(message["content"])
+            if blocks:
+                return blocks[-1], "last python block"
+    return None, "none"
+
+
+class CodeEnvironment(GymRowPrompt):
+    # Gym's code rows are answered by a reply holding the program, so a reply without a tool call is the answer.
+    plain_reply_ends_episode = True
+
+    def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap") -> None:
+        super().__init__(task, sandbox_backend)
+        try:
+            self.settings = CodeVerifierSettings.model_validate(task.verifier)
+        except ValidationError as e:
+            raise ValueError(f"task {task.name!r}: verifier settings: {e.errors()[0]['msg']}") from None
+
+    def problem(self, instance: TaskInstance) -> CodeProblem:
+        try:
+            return problem_from_row(instance.data)
+        except ValueError as e:
+            raise ValueError(f"task {self.task.name!r}, instance {instance.instance_id}: {e}") from None
+
+    async def stage(self, episode: Episode) -> None:
+        assert episode.sandbox is not None
+        problem = self.problem(episode.instance)
+        await episode.sandbox.write_file("problem.md", self.prompt_messages(episode.instance)[-1]["content"].encode())
+        suffix = ("json", "json") if problem.kind == "call" else ("in", "out")
+        for i in range(min(self.settings.public_tests, len(problem.inputs))):
+            await episode.sandbox.write_file(f"tests/{i}.{suffix[0]}", problem.inputs[i].encode())
+            await episode.sandbox.write_file(f"tests/{i}.expected.{suffix[1]}", problem.outputs[i].encode())
+
+    async def collect(self, episode: Episode) -> Submission:
+        path = submitted_file(episode.answer)
+        if path is not None and episode.sandbox is not None:
+            try:
+                return {"code": (await episode.sandbox.read_file(path)).decode(errors="replace"), "source": path}
+            except (OSError, ValueError, SandboxError) as e:
+                return {"code": None, "source": path, "error": f"could not read {path}: {e}"}
+        code, source = submitted_code(episode.answer, episode.messages)
+        return {"code": code, "source": source}
+
+    async def grade(self, instance: TaskInstance, submission: Submission) -> Evaluation:
+        problem = self.problem(instance)
+        code = submission.get("code")
+        if code is None and submission.get("answer") is not None:  # graded from an answer alone (Gym verify)
+            code, submission = final_code_block(submission["answer"]), submission | {"source": "answer code block"}
+        if not code or not code.strip():
+            reason = submission.get("error") or "no code submitted (no fenced code block, no file named)"
+            return Evaluation(reward=0.0, resolved=False, details={"reason": reason})
+        evaluation = await grade_program(
+            problem, code, self.settings, sandbox_backend=self.sandbox_backend, limits=self.task.limits
+        )
+        evaluation.details |= {"code_source": submission.get("source"), "kind": problem.kind}
+        return evaluation
+
+
+__all__ = ["CodeEnvironment", "CodeVerifierSettings", "submitted_code", "submitted_file"]

@@ -1,0 +1,1 @@
+"""The ``gym`` task type: a NeMo Gym resources server is the environment."""

@@ -1,0 +1,1 @@
+"""The ``stem`` task type: numbers with units, and multiple choice."""

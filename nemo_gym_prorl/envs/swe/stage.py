@@ -1,0 +1,152 @@
+"""The repository inside a sandbox: staged on its base, and the agent's change taken out as a patch.
+
+Staging puts the tree in the workspace, mounted where the repository lives in SWE-bench / SWE-Gym / R2E-Gym images
+(``/testbed``, so their eval scripts and the editable installs of their environments find it; see ``SweSettings``),
+from a tar: ``swe_repo``'s for a ``repo_source``, else the image's own ``/testbed`` taken out once (``image_tree``),
+since the workspace mounted there hides it. It removes the files ``test_patch`` creates (the hidden tests: the
+offline suite's come from the source tree), applies the row's ``base_patch`` (how the offline suite makes its bugs),
+and commits it as the one root commit of a fresh repository with a fixed author and date: no remotes, no history to
+``git log`` the fix out of, and the same commit id on every staging of the same tree. The hidden tests of
+``test_patch`` are not there: they come only at evaluation.
+
+Extraction runs in the run's sandbox while it is alive: ``git add -A`` and ``git diff --cached`` against the base
+commit (new files included). Binary diffs are dropped (with a note): ``git apply`` cannot use them without
+``--binary`` and SWE-bench patches are text. A patch over the size cap is dropped whole, with a note, since a
+truncated patch does not apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from nemo_gym_prorl.envs.swe import repo as swe_repo
+from nemo_gym_prorl.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxSpec, open_sandbox
+from nemo_gym_prorl.tools.python import STATE_DIR
+
+WORKDIR = "/testbed"
+"""Where SWE-bench, SWE-Gym and R2E-Gym images hold the repository, and where it is staged (the default)."""
+BASE_DATE = "2000-01-01T00:00:00+00:00"
+_STAGE_TAR = ".prorl-stage.tar"
+_BASE_PATCH = ".prorl-base.patch"
+_PATCH_OUT = ".prorl-patch.diff"
+_GIT_IDENTITY = ["-c", "user.name=prorl", "-c", "user.email=prorl@localhost", "-c", "init.defaultBranch=main"]
+_TOOL_STATE = STATE_DIR.split("/", 1)[0]  # the python tool's interpreter lives in the workspace: never in a patch
+_IGNORED = f"__pycache__/\\n*.pyc\\n.pytest_cache/\\n/{_TOOL_STATE}/\\n"
+
+_STAGE = f"""set -euo pipefail
+cd "$1" && shift
+tar -xf {_STAGE_TAR} --no-same-owner --no-same-permissions && rm -f {_STAGE_TAR}
+rm -rf .git
+for hidden in "$@"; do rm -rf -- "$hidden"; done
+if [ -f {_BASE_PATCH} ]; then
+  mkdir -p /tmp/prorl-stage && mv {_BASE_PATCH} /tmp/prorl-stage/base.patch
+  git apply --whitespace=nowarn /tmp/prorl-stage/base.patch
+fi
+git {' '.join(_GIT_IDENTITY)} init -q
+printf '{_IGNORED}' >> .git/info/exclude
+git config user.name agent && git config user.email agent@localhost
+git add -A
+GIT_AUTHOR_DATE={BASE_DATE} GIT_COMMITTER_DATE={BASE_DATE} git {' '.join(_GIT_IDENTITY)} commit -q --no-verify \\
+  --allow-empty -m base
+git rev-parse HEAD
+"""
+
+_EXTRACT = f"""cd "$1" 2>/dev/null || {{ echo "the workspace is gone"; exit 3; }}
+shift
+git rev-parse --verify -q "$1^{{commit}}" >/dev/null || {{ echo "the repository no longer holds the base commit \
+$1 (.git removed or rewritten)"; exit 4; }}
+git add -A . ":(exclude){_PATCH_OUT}" || exit 5
+git diff --cached --no-color --no-ext-diff --no-textconv "$1" -- . ":(exclude){_PATCH_OUT}" ":(exclude){_TOOL_STATE}" \
+  > {_PATCH_OUT} || exit 5
+"""
+
+
+class StagingError(SandboxError):
+    """The repository could not be staged in the sandbox (the message says why)."""
+
+
+class ExtractedPatch(BaseModel):
+    patch: str
+    notes: list[str] = []
+
+
+async def stage_repository(
+    sandbox: Sandbox, workdir: str, tree: bytes, base_patch: str, timeout_s: float, hidden: list[str] = ()
+) -> str:
+    """Stage `tree` (a tar) with `base_patch` in the sandbox's workspace `workdir`, without the `hidden` files; the
+    base commit's id."""
+    await sandbox.write_file(_STAGE_TAR, tree)
+    if base_patch:
+        await sandbox.write_file(_BASE_PATCH, base_patch.encode())
+    result = await sandbox.exec(["bash", "-c", _STAGE, "prorl", workdir, *hidden], timeout=timeout_s)
+    if result.exit_code != 0:
+        why = "timed out" if result.timed_out else f"exit {result.exit_code}"
+        raise StagingError(f"staging the repository failed ({why}): {result.output.strip()[-2000:]}")
+    return result.output.strip().splitlines()[-1]
+
+
+async def extract_patch(
+    sandbox: Sandbox, workdir: str, base_commit: str, max_bytes: int, timeout_s: float
+) -> ExtractedPatch:
+    """The agent's change against the base commit, as a text diff (see the module docstring)."""
+    result = await sandbox.exec(["bash", "-c", _EXTRACT, "prorl", workdir, base_commit], timeout=timeout_s)
+    if result.exit_code != 0:
+        why = "timed out" if result.timed_out else result.output.strip()[-1000:] or f"exit {result.exit_code}"
+        return ExtractedPatch(patch="", notes=[f"no patch could be extracted: {why}"])
+    raw = await sandbox.read_file(_PATCH_OUT)
+    return clean_patch(raw.decode(errors="replace"), max_bytes)
+
+
+_FILE_HEADER = re.compile(r"^diff --git ", re.M)
+
+
+def clean_patch(diff: str, max_bytes: int) -> ExtractedPatch:
+    """`diff` without binary file sections, or nothing if it is over `max_bytes`."""
+    notes = []
+    starts = [m.start() for m in _FILE_HEADER.finditer(diff)]
+    sections = [diff[a:b] for a, b in zip(starts, [*starts[1:], len(diff)], strict=False)]
+    kept = []
+    for section in sections:
+        if "\nGIT binary patch\n" in section or re.search(r"^Binary files .* differ$", section, re.M):
+            notes.append(f"binary diff dropped: {section.splitlines()[0].removeprefix('diff --git ')}")
+        else:
+            kept.append(section)
+    patch = "".join(kept)
+    size = len(patch.encode())
+    if size > max_bytes:
+        notes.append(f"patch dropped: {size} bytes is over the cap of {max_bytes} bytes")
+        patch = ""
+    return ExtractedPatch(patch=patch, notes=notes)
+
+
+_IMAGE_TREE = f"""set -euo pipefail
+[ -d "$1" ] || {{ echo "the image has no $1 (no repository in it, and the row has no repo_source)" >&2; exit 3; }}
+tar -C "$1" --exclude=./.git -cf {_STAGE_TAR} .
+"""
+
+
+async def image_tree(backend: str, image: str | None, repo_dir: str, timeout_s: float) -> bytes:
+    """The tree the image holds at `repo_dir` (without .git) as a tar, taken out once per image (a sandbox whose
+    workspace is elsewhere reads it) and kept in ``swe_repo``'s cache: staging mounts the workspace over it."""
+    key = hashlib.sha256(f"{backend}\0{image}\0{_mtime(image)}\0{repo_dir}".encode()).hexdigest()[:24]
+    cached = swe_repo.cache_dir() / "images" / f"{key}.tar"
+    if cached.is_file():
+        return await asyncio.to_thread(cached.read_bytes)
+    spec = SandboxSpec(image=image, limits=SandboxLimits(max_read_mb=4096, disk_mb=None, wall_clock_s=timeout_s + 60))
+    async with open_sandbox(backend, spec) as sandbox:
+        result = await sandbox.exec(["bash", "-c", _IMAGE_TREE, "prorl", repo_dir], timeout=timeout_s)
+        if result.exit_code != 0:
+            raise StagingError(f"taking {repo_dir} out of image {image} failed: {result.output.strip()[-2000:]}")
+        tree = await sandbox.read_file(_STAGE_TAR)
+    await asyncio.to_thread(swe_repo.write_atomic, cached, tree)
+    return tree
+
+
+def _mtime(image: str | None) -> int:
+    return os.stat(image).st_mtime_ns if image is not None and Path(image).exists() else 0

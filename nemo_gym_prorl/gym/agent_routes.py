@@ -1,0 +1,154 @@
+"""NeMo Gym's agent API on the rollout service: ``POST /run`` (a Gym dataset row in, a Gym verify response out) and
+``POST /aggregate_metrics`` (those verify responses in, Gym's run metrics out).
+
+NeMo RL's GRPO calls ``/run`` once per row and trains on the output items that carry ``prompt_token_ids``,
+``generation_token_ids`` and ``generation_log_probs`` (see ``gym.output_items``). The row's sampling parameters
+(``temperature``, ``top_p``, ``max_output_tokens``) pass through unchanged. Extra row keys (``_rowidx``,
+``_ng_task_index``, …) are accepted; every call is a fresh rollout, so calling again for the same row is safe. A row
+picks one of the service's tasks with ``prorl_task`` (default: the first); the rest of it, ``responses_create_params``
+included, is the task instance. When a Gym resources server's /verify masks a sample (``mask_sample``, with its
+``failure_kind`` and ``failure_reason``), the verify response says so too.
+
+What NeMo RL needs of a result, always: ``mask_sample`` also at ``instance_config.mask_sample`` (where it reads it;
+Gym's agents set both); at least one output item with generated tokens (a result without raises in its
+post-processing and ends a sync GRPO step), so a rollout that ended before the model's first turn comes back with
+that turn generated alone and masked; and top-level numbers that mean something, since it logs each as a metric:
+``num_turns``, ``num_tool_calls``, ``num_format_errors`` and the stage times ``{init,run,eval,queued}_time_s``.
+
+``gym eval run`` calls ``/aggregate_metrics`` once its rollouts are written, with each verify response stripped of
+``response`` and ``responses_create_params``; the answer is Gym's ``AggregateMetrics``, computed by Gym's own
+``compute_aggregate_metrics`` as its ``SimpleResponsesAPIAgent`` does. Verify responses Gym cannot aggregate (two
+with the same task and repeat index, say) are a 422.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import FastAPI, HTTPException
+from nemo_gym.base_resources_server import AggregateMetrics, AggregateMetricsRequest, BaseVerifyResponse
+from nemo_gym.failure_kinds import AGENT_RUN_ERROR, AGENT_TIMEOUT, CANCELLED, PROVIDER_UNAVAILABLE, VERIFIER_ERROR
+from nemo_gym.reward_profile import compute_aggregate_metrics
+from pydantic import BaseModel, ConfigDict, Field
+
+from nemo_gym_prorl.contracts.job import JobRequest
+from nemo_gym_prorl.contracts.responses import gym_output_items
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.contracts.trajectory import Trajectory
+from nemo_gym_prorl.service.app import bearer_guard
+from nemo_gym_prorl.service.orchestrator import Orchestrator, RejectedJob
+
+_FAILURE_KINDS = {
+    "init": PROVIDER_UNAVAILABLE,
+    "run": AGENT_RUN_ERROR,
+    "eval": VERIFIER_ERROR,
+    "timeout": AGENT_TIMEOUT,
+    "cancelled": CANCELLED,
+}
+# Row keys that are Gym's bookkeeping, not task data. `responses_create_params` is task data: a Gym resources
+# server's task reads its prompt and tools there, and Gym's agents send it to /seed_session and /verify.
+_GYM_KEYS = {"agent_ref", "task_source", "_ng_rollout_id"}
+TASK_KEY = "prorl_task"  # not `task`: that is a column of some Gym datasets (iheval's verify dispatches on it)
+
+
+class GymRunRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    responses_create_params: dict[str, Any] = Field(default_factory=dict)
+    prorl_task: str | None = Field(None, description="the service's task the row belongs to (default: the first)")
+
+
+def row_sampling(params: dict[str, Any]) -> SamplingParams:
+    """The row's Responses-API sampling parameters, unchanged, as ours."""
+    values: dict[str, Any] = {}
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("max_tokens", "max_output_tokens")):
+        if params.get(theirs) is not None:
+            values[ours] = params[theirs]
+    if params.get("seed") is not None:
+        values["seed"] = params["seed"]
+    return SamplingParams(**values)
+
+
+def gym_verify_response(row: GymRunRequest, trajectory: Trajectory, model: str) -> dict[str, Any]:
+    verdict = trajectory.evaluation  # what the grader said beside the reward: a Gym server's own mask and failure
+    masked = trajectory.mask_reason() is not None
+    response = {
+        "id": f"resp_{trajectory.trajectory_id}",
+        "object": "response",
+        "created_at": time.time(),
+        "model": model,
+        "output": gym_output_items(trajectory.messages),
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+    }
+    body = {
+        **row.model_dump(exclude={TASK_KEY}),
+        "response": response,
+        "reward": trajectory.reward,
+        "mask_sample": masked,
+        "failure_kind": _FAILURE_KINDS.get(trajectory.critical_error or "") or verdict.get("failure_kind"),
+        "failure_reason": trajectory.error or verdict.get("failure_reason"),
+    }
+    BaseVerifyResponse.model_validate(body)  # the shape Gym and NeMo RL read; fails loudly here, not there
+    timing = trajectory.timing
+    row_config = body.get("instance_config")
+    return body | {
+        # where NeMo RL reads the mask (beside what a row's own instance_config carries)
+        "instance_config": {**(row_config if isinstance(row_config, dict) else {}), "mask_sample": masked},
+        "resolved": trajectory.resolved,
+        "finish": trajectory.finish,
+        "critical_error": trajectory.critical_error,
+        "evaluation": trajectory.evaluation,
+        "instance_id": trajectory.instance_id,
+        "trajectory_id": trajectory.trajectory_id,
+        # NeMo RL logs every top-level number of a result as a metric (per agent): these, always present.
+        "num_turns": sum(1 for m in trajectory.assistant_turns() if "first_turn_only" not in m),
+        "num_tool_calls": trajectory.num_tool_calls,
+        "num_format_errors": trajectory.num_format_errors,
+        "init_time_s": timing.init,
+        "run_time_s": timing.run,
+        "eval_time_s": timing.eval,
+        "queued_time_s": timing.queued,
+    }
+
+
+async def run_row(orchestrator: Orchestrator, row: GymRunRequest) -> dict[str, Any]:
+    """One Gym row as one rollout; its verify response. A rollout that ended before the model's first turn comes
+    back with that turn generated alone and masked (``Orchestrator.with_first_turn``): a result without generated
+    tokens would end NeMo RL's training step."""
+    instance = {k: v for k, v in row.model_dump(exclude={TASK_KEY}).items() if k not in _GYM_KEYS}
+    request = JobRequest(task=row.prorl_task, instance=instance, sampling_params=row_sampling(row.responses_create_params))
+    try:
+        job_id = orchestrator.submit(request)
+    except RejectedJob as e:  # named as the row names it
+        raise RejectedJob({"task": TASK_KEY, "instance": "row"}.get(e.field, e.field), e.message) from None
+    trajectory = (await orchestrator.wait(job_id)).results[0]
+    if not trajectory.assistant_turns() and _ended_before_the_model(trajectory):
+        trajectory = await orchestrator.with_first_turn(request, trajectory)
+    return gym_verify_response(row, trajectory, orchestrator.model.name)
+
+
+def _ended_before_the_model(trajectory: Trajectory) -> bool:
+    """Its sandbox failed, or it timed out or was cancelled before the run stage: the model was never asked (a model
+    request that failed is not asked again)."""
+    if trajectory.critical_error == "init":
+        return True
+    return trajectory.critical_error in ("timeout", "cancelled") and trajectory.timing.run == 0
+
+
+async def aggregate_metrics(body: AggregateMetricsRequest) -> AggregateMetrics:
+    # Gym's profiler (pandas) is CPU-bound over a whole run's rollouts: off the loop the pipeline runs on.
+    try:
+        return await asyncio.to_thread(compute_aggregate_metrics, body.verify_responses)
+    except Exception as e:  # the items are free-form dicts; what Gym's profiler cannot take is a bad request
+        raise HTTPException(422, f"verify_responses: Gym cannot aggregate them: {type(e).__name__}: {e}") from e
+
+
+def add_gym_agent_routes(app: FastAPI, orchestrator: Orchestrator, token: str | None) -> None:
+    @app.post("/run", dependencies=[bearer_guard(token)])
+    async def run(row: GymRunRequest) -> dict[str, Any]:
+        return await run_row(orchestrator, row)
+
+    app.post("/aggregate_metrics", dependencies=[bearer_guard(token)])(aggregate_metrics)

@@ -1,0 +1,126 @@
+"""What a rollout run shows and keeps: one JSON line per trajectory as it finishes, a progress bar, a summary."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from nemo_gym_prorl.contracts.trajectory import Trajectory
+
+_STAGES = ("init", "run", "eval")
+
+
+def config_record_path(output: Path) -> Path:
+    """Where the resolved config that made `output` is kept: `<stem>.config.yaml` beside it."""
+    return output.with_suffix(".config.yaml")
+
+
+def read_config_record(output: Path) -> dict[str, Any]:
+    """The config record beside `output` as a mapping; {} when there is none, or it is not a YAML mapping."""
+    record = config_record_path(output)
+    if not record.is_file():
+        return {}
+    try:
+        loaded = yaml.safe_load(record.read_text())
+    except yaml.YAMLError:
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+class RolloutReport:
+    """`config_record`, when given, is written beside `output` (`<stem>.config.yaml`) as the run's results begin."""
+
+    def __init__(self, output: Path, title: str, config_record: str | None = None) -> None:
+        self.output = output
+        self.title = title
+        self.config_record = config_record
+        self.trajectories: list[Trajectory] = []
+        self._file: IO[str] | None = None
+        self._bar: tqdm | None = None
+        self._started = 0.0
+        self.wall_s = 0.0
+
+    def __enter__(self) -> RolloutReport:
+        self._started = time.perf_counter()
+        return self
+
+    def expect(self, total: int) -> None:
+        """The rollouts begin: only now are the files written and the bar drawn (with its total), so a run that
+        cannot start leaves neither an empty output nor a bar on the terminal."""
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        if self.config_record is not None:
+            config_record_path(self.output).write_text(self.config_record)
+        self._file = self.output.open("w")
+        self._bar = tqdm(total=total, desc="rollouts", unit="rollout", dynamic_ncols=True)
+
+    def add(self, trajectory: Trajectory) -> None:
+        assert self._file is not None and self._bar is not None
+        self._file.write(trajectory.model_dump_json() + "\n")
+        self._file.flush()
+        self.trajectories.append(trajectory)
+        self._bar.set_postfix(reward=f"{self.mean('reward'):.2f}", refresh=False)
+        self._bar.update(1)
+
+    def mean(self, attribute: str) -> float:
+        values = [float(getattr(t, attribute)) for t in self.trajectories]
+        return sum(values) / len(values) if values else 0.0
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.wall_s = time.perf_counter() - self._started
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+
+    def summary_rows(self) -> list[tuple[str, str]]:
+        trajectories = self.trajectories
+        turns = [len(t.assistant_turns()) for t in trajectories]
+        generated = sum(len(m["generation_token_ids"]) for t in trajectories for m in t.assistant_turns())
+        errors = [t.critical_error for t in trajectories if t.critical_error]
+        finishes: dict[str, int] = {}
+        for t in trajectories:
+            finishes[str(t.finish)] = finishes.get(str(t.finish), 0) + 1
+        n = len(trajectories) or 1
+        return [
+            ("rollouts", str(len(trajectories))),
+            ("mean reward", f"{self.mean('reward'):.3f}"),
+            ("resolved", f"{sum(t.resolved for t in trajectories)} ({sum(t.resolved for t in trajectories) / n:.0%})"),
+            *self._patch_rows(),
+            ("mean turns", f"{sum(turns) / n:.2f}"),
+            ("tool calls run", str(sum(t.num_tool_calls for t in trajectories))),
+            ("format errors", str(sum(t.num_format_errors for t in trajectories))),
+            ("finish", ", ".join(f"{k}={v}" for k, v in sorted(finishes.items()))),
+            ("critical errors", str(len(errors)) + (f" ({', '.join(sorted(set(errors)))})" if errors else "")),
+            ("generated tokens", str(generated)),
+            ("tokens/s", f"{generated / self.wall_s:.1f}" if self.wall_s else "-"),
+            ("wall time", f"{self.wall_s:.1f} s"),
+            ("output", str(self.output)),
+        ]
+
+    def _patch_rows(self) -> list[tuple[str, str]]:
+        """Tasks graded on a patch (swe) say whether it applied; every run shows its per-stage times (p50)."""
+        trajectories, rows = self.trajectories, []
+        graded = [t for t in trajectories if "patch_applied" in t.evaluation]
+        if graded:
+            applied = sum(bool(t.evaluation["patch_applied"]) for t in graded)
+            rows.append(("patch applied", f"{applied} ({applied / len(graded):.0%})"))
+        if trajectories:
+            p50 = {stage: statistics.median(getattr(t.timing, stage) for t in trajectories) for stage in _STAGES}
+            rows.append(("p50 init / run / eval", " / ".join(f"{p50[s]:.2f} s" for s in _STAGES)))
+        return rows
+
+    def print_summary(self, console: Console | None = None) -> None:
+        table = Table(title=f"prorl rollout: {self.title}")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for name, value in self.summary_rows():
+            table.add_row(name, value)
+        (console or Console()).print(table)

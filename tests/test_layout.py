@@ -1,0 +1,106 @@
+"""The package's layout is its architecture: imports point down the layers, no module waits on itself through
+others, and a trainer's client loads no engine, dataset or sandbox code."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "nemo_gym_prorl"
+
+# Lowest first. A module may import its own package's modules and those of any lower layer, never a higher one.
+LAYERS = [
+    {"contracts", "json_http", "child_lifetime"},
+    {"sandbox", "tool_calls"},
+    {"tools", "telemetry"},
+    {"models"},
+    {"envs"},
+    {"agent"},
+    {"service"},
+    {"cluster", "gym", "viewer"},
+    {"launch"},
+    {"reverify"},
+    {"train"},
+    {"bench"},
+    {"cli"},
+]
+# NeMo Gym's server folders: Gym starts them by path, nothing of ours imports them.
+SERVER_FOLDERS = ("nemo_gym_prorl.gym.resources_servers", "nemo_gym_prorl.gym.responses_api_agents")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports(module: str) -> set[str]:
+    """Every module of ours `module` imports, at its top, in a function or for type checking alone."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names}
+    return {m for m in found if m in MODULES and m != module}
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def ours(module: str) -> bool:
+    return module != "nemo_gym_prorl" and not module.startswith(SERVER_FOLDERS) and ".tests" not in module
+
+
+def test_every_top_level_module_has_a_layer():
+    tops = {m.split(".")[1] for m in MODULES if ours(m)}
+    assert tops <= set().union(*LAYERS), f"not in LAYERS: {sorted(tops - set().union(*LAYERS))}"
+
+
+def test_no_import_points_up_or_sideways():
+    wrong = []
+    for module in filter(ours, MODULES):
+        for target in filter(ours, imports(module)):
+            same_package = module.split(".")[1] == target.split(".")[1]
+            if not same_package and layer(target) >= layer(module):
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports against the layers:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_module_imports_itself_through_others():
+    graph = {m: imports(m) for m in MODULES if ours(m)}
+    cycles, state = [], {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import circles:\n" + "\n".join(cycles)
+
+
+@pytest.mark.parametrize("heavy", ["llama_cpp", "datasets", "numpy", "torch"])
+def test_the_trainers_client_loads_contracts_and_http_only(heavy: str):
+    probe = f"import sys, nemo_gym_prorl.service.client; print({heavy!r} in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "False", f"import nemo_gym_prorl.service.client loads {heavy}"
