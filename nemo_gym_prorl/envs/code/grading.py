@@ -1,4 +1,4 @@
-"""Grading programs in a sandbox: run them there with `sandbox_test_runner.py`, judge what came back here.
+"""Grading programs in a sandbox: run them there with `sandbox_runner.py`, judge what came back here.
 
 One grading sandbox runs a batch of submissions (one for a rollout; many for a benchmark or a test): the runner
 and a job file go into its workspace, one runner process works through the batch (each test a child of its own,
@@ -19,7 +19,7 @@ from nemo_gym_prorl.envs.base import Evaluation
 from nemo_gym_prorl.envs.code.cases import CodeProblem, output_lines, output_mismatch, value_mismatch
 from nemo_gym_prorl.sandbox import SandboxLimits, SandboxSpec, open_sandbox
 
-RUNNER = Path(__file__).with_name("sandbox_test_runner.py")
+RUNNER = Path(__file__).with_name("sandbox_runner.py")
 _GRADER_DIR = ".grader"
 
 # What LiveCodeBench (and so NeMo Gym's code_gen) puts in scope before a stdin or call-based program: LeetCode

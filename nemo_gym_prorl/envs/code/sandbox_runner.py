@@ -1,6 +1,6 @@
 """Runs untrusted programs against test inputs. This file is copied into a grading sandbox and runs there only.
 
-    PRORL_GRADING_SANDBOX=1 python3 -I sandbox_test_runner.py JOB.json RESULTS.jsonl
+    PRORL_GRADING_SANDBOX=1 python3 -I sandbox_runner.py JOB.json RESULTS.jsonl
 
 It is standard library only (it runs on the sandbox image's Python, not ours) and never runs model code in its
 own process: each test is a child forked off this runner (a warm interpreter: ~2 ms a test instead of ~20 ms for a
@@ -319,7 +319,7 @@ def _run_problem(problem: dict, job: dict, root: str) -> list:
 
 def main() -> None:
     if os.environ.get(SANDBOX_MARKER) != "1" or os.geteuid() == 0:
-        sys.exit(f"sandbox_test_runner runs model code: only inside a grading sandbox ({SANDBOX_MARKER}=1, "
+        sys.exit(f"sandbox_runner runs model code: only inside a grading sandbox ({SANDBOX_MARKER}=1, "
                  "not root)")
     job_path, results_path = sys.argv[1], sys.argv[2]
     with open(job_path) as f:
