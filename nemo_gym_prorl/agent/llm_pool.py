@@ -1,25 +1,13 @@
 """The service's pool of OpenAI-compatible model backends (vLLM, NeMo RL's server, our local one).
 
-A new trajectory goes to the healthy backend with the fewest requests in flight; its later requests stay there, so
-the backend's prefix cache holds the conversation so far. Transient failures (connect errors, timeouts, 5xx, 429)
-are retried with backoff, away from the backend that failed; a 4xx is the request's fault and is raised at once,
-except a 401/403/404, which may be the backend's alone (another model name, base path or key): the request then
-tries the other backends, and if one of them answers it, each backend that refused it counts a failure.
+A new trajectory goes to the healthy backend with the fewest requests in flight and stays there (its prefix cache
+holds the conversation). Transient failures are retried with backoff on another backend; a 4xx is the request's
+fault (a 401/403/404 tries the other backends first); a 500 that a second backend repeats is judged the request's
+and ejects no backend. Backends that keep failing are ejected until a health probe succeeds; ``pause()`` holds new
+requests for a weight sync. Each backend may carry its own model name and API key. In-flight counts are kept per
+attempt, in ``finally``: ProRL's balancer never decremented its counters.
 
-Backends that keep failing (requests or health probes) are ejected until a probe succeeds again. ``pause()`` lets
-the trainer sync weights: new requests wait, requests already at a server finish, and it returns when none is left.
-
-A 500 may be the request's fault or the backend's: NeMo RL's chat server checks sampling parameters with Python
-asserts, so a request it rejects gets a plain "Internal Server Error", as a crash would. A 500 whose body says the
-request caused it (an assertion, a context overflow) is raised at once; otherwise the request goes to another
-backend, and when a second backend answers 500 too (or the only one answers 500 to every retry), the request is
-judged the cause: it is raised as an ``LLMRequestError`` and no backend counts a failure. If another backend answers
-it, those that gave 500 count one each.
-
-Each backend may carry its own model name (sent as the request's ``model``) and API key (``Authorization: Bearer``):
-NeMo RL's policy servers serve the policy under its own name, whatever the service was started with.
-
-In-flight counts are kept per attempt, in ``finally``: ProRL's balancer never decremented its counters.
+Design notes: docs/service.md#agentllm_poolpy
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Workload: NeMo Gym code_gen's shipped example rows with the programs of its ship
 stdin/stdout tests, 1 to 100 per row), repeated ``--rounds`` times. Gym's side is its verifier's own grading
 function, ``check_correctness`` (a multiprocessing Manager and Process per program, every test in that process,
 model code executed on the host), called in ``--concurrency`` pool workers, as its server runs it in Ray
-workers. Ours is `code_grading.grade_programs` with the same concurrency: each program in a fresh bubblewrap
+workers. Ours is `envs.code.grading.grade_programs` with the same concurrency: each program in a fresh bubblewrap
 sandbox (``--batch 1``, what one rollout's grading costs) or ``--batch N`` programs per sandbox (a test runner
 working through them, each program's leftovers killed before the next). Gym and ours alternate per round so both
 see the same machine. Every program's reward is checked to agree. The last line is the ratio of graded programs

@@ -1,28 +1,13 @@
 """Sandbox life cycles, measured in one run: (a) start -> first command -> close on each backend, and (b) a GRPO group
 of 8 sandboxes made ready from one forked SWE-style init versus 8 fresh inits.
 
-(a) Each round starts a sandbox, runs `echo hi` in it and closes it, on: ours-bwrap (`BwrapSandbox`, the default
-image's rootfs), the same without a disk of its own (`disk_mb: null`: what a bwrap sandbox cost before disks, the
-baseline the disk must not make slower), ours-apptainer (`ApptainerSandbox`, its SIF) and NeMo Gym's own
-`apptainer` provider (`AsyncSandbox` start, `exec`, stop) on the same SIF and Apptainer binary
-(`gym_apptainer_config`). The sides take turns, round after round. Goals: bwrap <= 30 ms and Apptainer <= 0.6 s
-(p50); bwrap with its disk / without <= 1.0x.
+(a) ours-bwrap (with and without a disk of its own), ours-apptainer and NeMo Gym's own `apptainer` provider on the
+same SIF, taking turns round after round; goals: bwrap <= 30 ms and Apptainer <= 0.6 s (p50), the disk <= 1.0x.
+(b) a repository with a C extension, committed, installed editable, built and imported: 8 fresh inits at once
+against one init handed to `fork(8, close=True)`, timed until all 8 are ready, with the group's CPU time beside it
+(`--native-modules 0`: a pure-Python package). The last line is the ratio of the medians (goal >= 5x).
 
-(b) An SWE-style init, done inside a bwrap sandbox on the default image: check out a repository of a few hundred
-files (a package with a C extension, and its tests, written by a generator script: the stand-in for `git clone`),
-commit it to git, make a virtual environment and install the package into it in editable mode (the `.pth` file
-`pip install -e` writes; the image has no pip), build its extension in place (`make -j` on every CPU, as
-`build_ext --inplace -j` does: gcc, -O2, against Python's headers), byte-compile it (`compileall`, on every CPU,
-as installers do) and import it. A sample is ready when, in its own sandbox, `git status` of the repository is
-clean, the package imports and its extension answers. `--native-modules 0` leaves the extension out (a pure-Python
-package: a lighter init, mostly one process at a time, so fresh inits overlap better and forking gains less).
-Fresh: 8 sandboxes each start and do the whole init, all at once (the service's init stage runs 8 at a time).
-Forked: one sandbox does the init, then `fork(8, close=True)` hands its workspace to 8 copy-on-write forks. Timed:
-from the first start until all 8 are ready (closing is not counted on either side); also the CPU time the group
-cost on the host (this process and its reaped descendants: the sandboxes, from start to close). No fork can be
-ready before one init is done, so fresh / (one init) bounds the ratio on any machine: where 8 inits at once take
-little longer than one (spare cores, latency-bound work), forking cannot win much time, only CPU. The two sides
-take turns, round after round; the last line is the ratio of the medians of the times (goal >= 5x).
+Design notes: docs/benchmarks.md#benchsandboxpy
 """
 
 from __future__ import annotations

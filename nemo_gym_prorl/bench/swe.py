@@ -2,24 +2,11 @@
 GRPO group of 8 samples forked from one SWE init versus 8 fresh inits, and (c) the same group as one job through
 the rollout service, with its ``pipeline.fork_groups`` on versus off.
 
-(a) For each sampled instance (the first of each project) on each backend (bwrap on the default rootfs, Apptainer
-on its SIF): init (sandbox up, repository staged on its squashed base), run (a scripted agent applies the gold
-patch through the bash tool, and the patch is extracted: the model's time is left out), eval (a fresh sandbox,
-patch and hidden tests applied, tests run, graded by swebench). Every eval must resolve.
+(a) uses a scripted agent that applies the gold patch (the model's time left out), and every eval must resolve;
+(b) and (c) take turns round after round on the first instance of each project, timing wall and CPU seconds. The
+last line is (c)'s median over projects of the wall-time ratio, with the CPU ratio beside it.
 
-(b) Eight inits of one instance at once, as the service's init stage runs a group: fresh (eight stagings) against
-forked (one staging forked into eight, `Environment.fork`, as the service's group forking does), timed until all eight are staged; closing is not
-counted in the time; the CPU seconds a group costs (ours and our children's, closing included) are shown
-beside it: what forking saves a machine busy with many groups. The sides take turns, round after round, on the first instance of each project (the projects differ in
-how long a staging takes, which is what forking saves: a fork costs about a sandbox start, so the ratio grows with
-the repository); its line is the median over projects of the ratio of the medians (goal >= 5x).
-
-(c) One job of n=8 through the service (the orchestrator and its pipeline, in this process; the model a stand-in
-server that runs one bash command in the repository and stops), from submission until all eight results are
-stored: ``service.pipeline.fork_groups: true`` (one init, fork(8)) against false (eight inits).
-The stand-in changes nothing, so grading is skipped (an empty patch): the time is init and run of a group, and the
-CPU seconds ours and our children's. The sides take turns on the first instance of each project; the last line is
-the median over projects of the wall-time ratio, with the CPU ratio beside it.
+Design notes: docs/benchmarks.md#benchswepy
 """
 
 from __future__ import annotations

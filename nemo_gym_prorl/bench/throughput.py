@@ -1,38 +1,13 @@
 """Rollout throughput, our service vs NeMo Gym's own simple_agent, with only the orchestrator different.
 
-Both sides run the same 3-tool-call task against the SAME processes: one Gym resources server (`prorl_bench`:
-an `add` tool that costs nothing, no sandbox) started by `gym env start` with one uvicorn worker per core (Gym's
-`num_workers`; with one, that server alone would cap either side at one core's worth of requests), and one
-deterministic instant stand-in model (three Hermes tool calls, then the answer) — so what differs is what drives
-them:
-
-- service: `run_service` (its pipeline at concurrency N: N rollouts in init+run, N/4 more in verify), the task a
-  `type: gym` YAML pointing at the resources server, chat completions + Hermes on the stand-in; the jobs (one per
-  row, `--group` samples each) submitted over HTTP with `RolloutClient`.
-- ray: the same service with `ray.local_workers` = one per core (a local Ray; each rollout's init/run/eval in a
-  worker actor, the head keeping HTTP, jobs and queues); its orchestrator CPU is this process's plus every process
-  of that Ray (GCS, raylet, the workers).
-- gym: `gym eval run --no-serve --concurrency N --num-repeats G`, as Gym runs it: its collector → the legacy_agent
-  environment server → simple_agent → Gym's vllm_model → the stand-in, with simple_agent calling the tool and
-  /verify on the resources server.
-
-The rollout phase is measured by the resources server itself, on the host's monotonic clock: from the first
-/seed_session it receives to the end of its last /verify. So neither side's start-up counts (the gym CLI's own
-start-up, our service's), and both are timed by the same clock at the same place. CPU is sampled per process over
-that phase:
-
-- orchestrator CPU per rollout = CPU seconds, during the phase, of the processes that orchestrate / rollouts.
-  service: this process (the service and its HTTP client). gym: the `gym eval run` collector + the legacy_agent
-  environment server + simple_agent + vllm_model.
-- the model's and the resources server's CPU per rollout are printed beside it: the same work on both sides.
-
-This machine's speed drifts by tens of percent over minutes, so at each concurrency each service side runs once
-before Gym's run and once after it (the same rollouts each time: service, ray, gym, ray, service), and its figures
-are over both runs together.
-
-Checks: both sides finish every rollout, with the same rewards; the resources server served 3 tool calls and one
-verify per rollout for each, and each rollout's /verify saw its own session's 3 calls. The last line is the
+Both sides run the same 3-tool-call task against the same processes: one Gym resources server (`prorl_bench`, one
+uvicorn worker per core) and one instant stand-in model. The sides: the service in-process, the service on Ray
+(`ray.local_workers` = one per core) and `gym eval run` through simple_agent. The resources server times the rollout
+phase; orchestrator CPU per rollout is sampled per process. Each service side runs before and after Gym at each
+concurrency, so the machine's drift cancels; rewards and tool calls are checked equal. The last line is the
 headline: the Ray path's throughput over Gym's at each concurrency.
+
+Design notes: docs/benchmarks.md#benchthroughputpy
 """
 
 from __future__ import annotations

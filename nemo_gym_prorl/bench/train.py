@@ -20,7 +20,7 @@ from nemo_gym_prorl.train.grpo import held_out_results
 from nemo_gym_prorl.train.heldout import paired_difference
 from nemo_gym_prorl.train.plot import read_metrics
 
-# What the measured run used (README "Training", docs/training.md); each can be overridden on the command line.
+# What the measured run used (docs/training.md); each can be overridden on the command line.
 DEFAULTS = [
     "task=math/arithmetic_train",
     "trainer.max_steps=16",

@@ -1,4 +1,4 @@
-"""`prorl`: rollout | serve | bench | image.
+"""`prorl`: rollout | serve | train | reverify | bench | image | data | swe | view.
 
 `rollout` and `serve` are Hydra apps over `conf/` (`config.yaml`, `serve.yaml`; groups task/, model/, sandbox/,
 service/) with all of Hydra's command line: `--help`, `--cfg job`, `-m` sweeps, `--config-dir`, `hydra.searchpath`,

@@ -1,24 +1,12 @@
 """NeMo Gym's agent API on the rollout service: ``POST /run`` (a Gym dataset row in, a Gym verify response out) and
 ``POST /aggregate_metrics`` (those verify responses in, Gym's run metrics out).
 
-NeMo RL's GRPO calls ``/run`` once per row and trains on the output items that carry ``prompt_token_ids``,
-``generation_token_ids`` and ``generation_log_probs`` (see ``gym.output_items``). The row's sampling parameters
-(``temperature``, ``top_p``, ``max_output_tokens``) pass through unchanged. Extra row keys (``_rowidx``,
-``_ng_task_index``, …) are accepted; every call is a fresh rollout, so calling again for the same row is safe. A row
-picks one of the service's tasks with ``prorl_task`` (default: the first); the rest of it, ``responses_create_params``
-included, is the task instance. When a Gym resources server's /verify masks a sample (``mask_sample``, with its
-``failure_kind`` and ``failure_reason``), the verify response says so too.
+A row picks one of the service's tasks with ``prorl_task`` (default: the first); every call is a fresh rollout. A
+result always carries what NeMo RL needs: ``mask_sample`` also at ``instance_config.mask_sample``, at least one
+output item with generated tokens (masked when the rollout ended before its first turn), and top-level numbers it
+logs as metrics.
 
-What NeMo RL needs of a result, always: ``mask_sample`` also at ``instance_config.mask_sample`` (where it reads it;
-Gym's agents set both); at least one output item with generated tokens (a result without raises in its
-post-processing and ends a sync GRPO step), so a rollout that ended before the model's first turn comes back with
-that turn generated alone and masked; and top-level numbers that mean something, since it logs each as a metric:
-``num_turns``, ``num_tool_calls``, ``num_format_errors`` and the stage times ``{init,run,eval,queued}_time_s``.
-
-``gym eval run`` calls ``/aggregate_metrics`` once its rollouts are written, with each verify response stripped of
-``response`` and ``responses_create_params``; the answer is Gym's ``AggregateMetrics``, computed by Gym's own
-``compute_aggregate_metrics`` as its ``SimpleResponsesAPIAgent`` does. Verify responses Gym cannot aggregate (two
-with the same task and repeat index, say) are a 422.
+Design notes: docs/nemo-gym.md#gymagent_routespy
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """Our sandbox backends as NeMo Gym sandbox providers, and every Gym provider registered as our ``gym:<name>``.
 
-`ProrlProvider` implements NeMo Gym's `SandboxProvider` protocol over any backend `open_sandbox` knows (`backend="bwrap"` by default; `"apptainer"` once registered); `BwrapProvider` is
-the same pinned to bubblewrap. Both are published in the `nemo_gym.sandbox_providers` entry-point group (as
-`prorl` and `bwrap`), so once this package is installed any Gym user gets them by name::
-
-    async with AsyncSandbox({"bwrap": {"limits": {"memory_mb": 1024}}}, SandboxSpec(workdir="/workspace")) as box:
-        await box.start()
-        result = await box.exec("python3 -c 'print(6 * 7)'")
-
-Gym's spec maps onto ours: `image` (None: the host's /usr and /etc; a rootfs directory; a .sif for apptainer),
-`env`, `ttl_s` (wall-clock limit), `resources.memory_mib` (address-space limit), `workdir` (the default cwd of
-`exec`; created when under the workspace, otherwise it must exist in the image); `provider_options` may override the
-provider's `network`, `limits`, `binds` and `workspace` (where the workspace is mounted: /workspace unless set, e.g.
-/testbed for SWE-bench's eval scripts; it hides what the image holds there). `exec` runs `bash -c COMMAND` outside
-the persistent shell, with stdout and stderr apart (our sandboxes capture one stream; stderr goes through a temp
-file inside). Output is kept up to `limits.max_output_bytes` (head and tail). Commands run as the sandbox's one
-unprivileged user, so `user` is refused. Files move only inside the workspace (everything else in the sandbox is
-read-only); a relative path is relative to `workdir`. cpu/gpu/disk requests, ports and entrypoints are not supported
-and are logged.
-
+`ProrlProvider` (any backend `open_sandbox` knows) and `BwrapProvider` (bubblewrap) implement Gym's
+`SandboxProvider` protocol and are published as the `nemo_gym.sandbox_providers` entry points `prorl` and `bwrap`.
 `gym_apptainer_config()` is the config on which Gym's own `apptainer` provider runs here, with our Apptainer.
+
+Design notes (how Gym's spec maps onto ours, what is refused): docs/nemo-gym.md#gymsandbox_providerspy
 """
 
 from __future__ import annotations

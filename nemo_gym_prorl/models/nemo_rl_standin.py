@@ -1,19 +1,13 @@
 """A stand-in for NeMo RL's vLLM HTTP server (``vllm_worker_async.py``, ``expose_http_server: true``) in front of a
 real OpenAI-compatible model server that speaks NeMo RL's token fields (our local llama.cpp server).
 
-What a client of NeMo RL's server meets, and so what this server does:
-- only ``POST /v1/chat/completions`` and ``POST /tokenize`` (no ``/v1/completions``, no ``/v1/models``);
-- the ``model`` must be the served name (else vLLM's 404 "The model `x` does not exist.");
-- sampling checks are Python ``assert`` s in the route, so a failed one is a bare HTTP 500 "Internal Server Error":
-  ``top_k`` unset or -1, ``top_p`` set, and ``(temperature, top_p)`` equal to the policy's train or validation pair;
-- asking for token ids (``logprobs`` + ``return_tokens_as_token_ids``) without ``top_logprobs`` is a 400;
-- earlier assistant messages that carry ``prompt_token_ids``/``generation_token_ids`` are spliced back as the
-  exact prefix (``required_prefix_token_ids``; the upstream server does the splice);
-- a prompt that leaves no room: 400 "Prompt length (N) fills or exceeds max_model_len (M)"; otherwise
-  ``max_tokens`` is clamped to what is left.
+Only ``/v1/chat/completions`` and ``/tokenize``; the served model name checked; NeMo RL's sampling asserts as bare
+HTTP 500s; earlier turns' token ids spliced back; a prompt that fills ``max_model_len`` refused.
 
     python -m nemo_gym_prorl.models.nemo_rl_standin --upstream http://127.0.0.1:8000/v1 --served-model-name policy \\
         --temperature 1.0 --top-p 1.0 --max-model-len 2048
+
+Design notes (what a client of NeMo RL's server meets): docs/nemo-rl.md#modelsnemo_rl_standinpy
 """
 
 from __future__ import annotations

@@ -1,48 +1,13 @@
 """Sandbox backend on Apptainer: one persistent instance per sandbox, a PTY shell and programs exec'd into it.
 
-`start()` runs `apptainer instance start` with `--containall --no-home --writable-tmpfs --uts` (own pid, ipc, mount
-and UTS namespaces, clean environment, a throw-away writable layer over a read-only image), `--net --network none`
-unless `spec.network` (then the host's network is shared), a host temp dir bound read-write at `spec.workspace`
-(/workspace unless set), the shell's control dir bound read-only at /.prorl, and `spec.binds`. As root, the
-workspace, /tmp, /var/tmp and /dev/shm are on a filesystem of `limits.disk_mb` of the sandbox's own (`disk.py`):
-full is ENOSPC, not host disk or memory. That disk is mounted at `disk/` in the temp dir only while the instance
-starts (Apptainer binds it by path); once it runs, it leaves the host's mount table, as the instance's binds keep it,
-and the host reaches it through its fd (`SandboxDisk.root`). Processes that enter the instance join its mount
-namespace and need no host path of it. The instance is a daemon, not our child: a watchdog (`watchdog.py`) kills
-its init if we die without closing it. The persistent shell (`PtyShell`) and every `exec()` are `apptainer exec
-instance://NAME ...` into it; closing kills the instance's init, which takes every process of its pid namespace
-along, and removes the temp dirs and the instance's log files. A shell that exits is replaced by a new one; an
-instance killed from the host (its init or Apptainer's monitor) is not: the command that ran and every later call
-raise SandboxError saying so.
+`start()` runs `apptainer instance start --containall --no-home --writable-tmpfs --uts`, network off unless asked,
+the workspace bound read-write (on a disk of its own, as root). The persistent shell (`PtyShell`) and every `exec()`
+are `apptainer exec instance://NAME ...`; closing kills the instance's init, and every process with it. As root,
+each process drops to uid 65534 with no capabilities under the filter of `seccomp.py`, in Apptainer's cgroups; a
+watchdog kills the instance if we die. Instances are named `prorl-<owner pid>-<owner start time>-<random>`, and
+`reap_orphan_instances()` stops only those whose owner is gone.
 
-Who runs inside: never the host's root.
-- Started as root, Apptainer runs privileged (no user namespace: as root, `--userns` maps the container's root to
-  the host's, and `--fakeroot` needs subuids). Each process enters the instance with only CAP_SETUID, CAP_SETGID
-  and CAP_SETPCAP and at once becomes uid/gid 65534 through the image's `setpriv`, dropping every capability
-  (bounding set included) and setting no_new_privs; the instance's init runs with `--no-privs`. Every process runs
-  under the system-call filter of `seccomp.py`, given to Apptainer as an OCI profile (see `_seccomp_profile` for
-  the one difference). Apptainer's own cgroups (v1 here, `systemd cgroups = no`) bound the memory of the sandbox as
-  a whole (`--memory`) and the number of its processes (`--pids-limit`, tightened once the shell runs so that
-  Apptainer's own tasks are not charged); each process that enters joins them.
-- Started as another user, Apptainer uses a user namespace and processes keep that user's uid, with no
-  capabilities and no filter of ours (`--security` is root's); cgroups need systemd there, so the process limit is
-  RLIMIT_NPROC, which Linux >= 5.14 counts per user namespace: per instance. The memory limit is then the
-  per-process one alone.
-Per-process limits (address space, CPU seconds, file size, no core dumps) are set with the image's `prlimit` just
-before the program runs, not on Apptainer itself (its Go runtime cannot start under a small RLIMIT_AS). Output is
-capped by PtyShell for `run()` and here for `exec()`; the wall-clock limit is a timer that closes the sandbox. The
-image must provide /usr/bin/env, /usr/bin/setpriv, /usr/bin/prlimit and /bin/bash (every Debian minbase does).
-
-`exec()` returns when its program exits; background processes it started stay in the sandbox, like the shell's,
-until it closes. A timed-out program is killed with everything in its session.
-
-Images (`spec.image`): a SIF file; a directory holding a root filesystem with `/.singularity.d/startscript` and
-`/.singularity.d/actions/start` (those from `images.build_rootfs` have them); or None: the default image of
-`images.ImageSpec()`, its SIF if built, else its directory; it is not built on demand (`prorl image build --sif`
-builds it).
-
-Instances are named `prorl-<owner pid>-<owner start time>-<random>`; `reap_orphan_instances()` stops those whose
-owner process is gone, and only those.
+Design notes: docs/sandboxes.md#sandboxapptainerpy
 """
 
 from __future__ import annotations

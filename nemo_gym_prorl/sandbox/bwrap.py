@@ -1,52 +1,13 @@
 """Sandbox backend on bubblewrap: a read-only root, a private workspace, no network, no privileges, bounded.
 
-Layout inside. `spec.image` None: the host's `/usr` and `/etc` read-only (`/bin`, `/sbin`, `/lib`, `/lib64` link
-into /usr), with everything under /etc that other host users may not read hidden, plus the usual credential files
-(ssh, pip/npm/apt credentials, sudoers, ...), and /etc/passwd, group, hosts and hostname replaced by the sandbox's
-own. A directory image: that rootfs read-only as `/` (one mount, ~2.5 ms less to start than one per entry) when it
-has a directory for everything mounted over it; otherwise each of its top-level entries read-only (bwrap makes the
-missing mount points in its own root). Either way a fresh `/proc`, `/dev`, `/tmp` and `/dev/shm` (tmpfs of a quarter
-of the memory limit each; `/tmp` on the sandbox's disk when it has one), the workspace read-write at
-`spec.workspace` (/workspace unless set), the shell's control dir read-only at /.prorl, and `spec.binds`. Nothing
-else of the host is there: no /home, /root, /run, /sys, /var, no checkout.
+The host's /usr and /etc (secrets hidden) or an image's rootfs, read-only; a fresh /proc, /dev and /tmp; the
+workspace read-write at `spec.workspace`. As root, bwrap runs as uid 65534 in a user namespace of its own and the
+sandbox's user (uid 1000) has no capabilities, under the filter of `seccomp.py`; rlimits, cgroups and a disk of its
+own bound it (`limits.py`, `disk.py`). The shell is the pid namespace's init: killing it ends everything. `exec()`
+joins the running sandbox through the `limits.py` helper; `fork(n)` gives n sandboxes an overlayfs each over one
+snapshot of the workspace, copied with the sandbox frozen.
 
-Start-up. A `sh`, started in a session of its own, joins the sandbox's cgroups, reopens its pty (which makes it
-the session's controlling terminal) and executes `setpriv` (as root), `unshare`, `bwrap` and the shell, which
-sets the rlimits as its first command. Each program more in that chain would cost ~1 ms.
-
-Privileges. As root, bwrap runs as uid 65534, inside a user namespace of its own (`unshare --user`),
-and maps the sandbox's user, uid 1000, onto it: no capabilities, not root, no setuid, and the seccomp filter of
-`seccomp.py` (which also refuses new namespaces: bwrap's `--disable-userns` would cost another 8 ms per start).
-Every namespace is unshared; the network only with `spec.network` (otherwise just a loopback of its own).
-
-Limits (`limits.py`). rlimits for address space, CPU time, file size, open files and processes — the outer user
-namespace makes RLIMIT_NPROC count this sandbox alone — and, where cgroup v1 is writable (root here), a `pids` and a
-`memory` cgroup per sandbox, made at start and removed at close. Output is capped per command by the shell. As root,
-what the sandbox writes (its workspace, a fork's overlay layers, /tmp) lives on a filesystem of `limits.disk_mb` of
-its own (`disk.py`), mounted at `disk/` in the temp dir while a bwrap starts and reached through its fd otherwise
-(`SandboxDisk.root`): full is ENOSPC inside, nothing more.
-
-Teardown. The shell is the pid namespace's init (`--as-pid-1`): killing it kills everything inside; `close()`
-then kills whatever is left in the cgroup and removes it, and removes the sandbox's one temp dir (`prorl-sbx-*`).
-
-`exec()` runs a program in the same sandbox beside the shell: a helper (`limits.py`, run as a script) joins the
-cgroups, then the user, pid, mount, network, IPC, UTS and cgroup namespaces of the sandbox's init, applies the
-same rlimits, drops the capability bounding set, loads the same seccomp filter and executes the program. So it
-sees exactly the shell's files (its /tmp included), processes and loopback. (A second bwrap joining with
-`--userns`/`--pidns` would build a new mount namespace — a different /tmp, and a second mount of a fork's overlay
-on the same upper dir, which overlayfs does not allow — and it cannot join a network namespace.)
-
-`fork(n)`: copy the workspace once into a snapshot (`cp --reflink=auto`: copy-on-write where the filesystem can, a
-plain copy on ext4) with every process of the sandbox frozen meanwhile (so none can swap a directory for a symlink
-to a host directory under `cp`), then start n sandboxes whose workspace is an overlayfs with that snapshot as its
-lower layer and an upper dir of their own, mounted inside their outer user namespace (bubblewrap 0.8 has no
-`--overlay`; rootless overlayfs needs Linux >= 5.11). A fork's writes land in its own upper dir, so neither the
-parent nor its siblings see them, and the snapshot, not the parent's workspace, is what forks read: the parent may
-go on or close. `fork(n, close=True)`, for a GRPO group whose init sandbox has no further use, closes the parent
-first and moves its workspace into the snapshot instead of copying it: one rename (or, for a disk, one mount of it),
-where a copy costs a file creation per file. The snapshot is removed with the last fork that uses it. A fork's files
-are only visible inside its own mount namespace, so its `read_file`/`write_file` go through the same helper as
-`exec()`.
+Design notes: docs/sandboxes.md#sandboxbwrappy
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
 """A sandbox's writable space with a total size the kernel enforces: an ext4 filesystem in a sparse image file.
 
-`limits.file_size_mb` caps each file a process writes; nothing in it caps their sum. A `SandboxDisk` is a freshly
-formatted ext4 filesystem of `disk_mb` in a sparse, nameless file (O_TMPFILE in the sandbox's temp dir's filesystem;
-no journal, no reserved blocks, inode tables left uninitialised, the root directory owned by the sandbox's host uid;
-`mkfs.ext4` runs once per size, each disk copies its ~2 MB of metadata), on a loop device (autoclear), mounted at the
-directory the sandbox writes to. Writing past its size is "No space left on device" inside the sandbox and nothing
-more; the host's filesystem only holds the blocks actually written (the image is sparse and mounted with `discard`,
-so deleted files give their blocks back).
+A `SandboxDisk` is a fresh ext4 filesystem of `disk_mb` in a nameless sparse file on a loop device: past its size,
+writes inside fail with ENOSPC and nothing more. It is made detached (`fsmount`) and attached (`attach()`) only
+while something on the host needs its path, since every bwrap start copies the host's mount table; `DiskSpares`
+makes disks ahead of need. It needs root (`available()`); without it, sandboxes get only the per-file limit.
+`unmount_under()` clears the mounts a dead sandbox left.
 
-Why this and not the alternatives: a size-capped tmpfs is memory (a 2 GiB workspace would be 2 GiB of RAM per
-sandbox); project quotas need the host filesystem mounted with `prjquota` (it is not here, and it cannot be changed
-from a service); a loop-mounted image costs a few milliseconds at start and at close and needs root. Without root
-(`available()` is False) sandboxes get no total, only the per-file limit.
-
-A disk is made detached (`fsmount`: a mount that is only a file descriptor, in no directory) and stays so for its
-whole life; `attach()` mounts a copy of it where the sandbox wants it (`open_tree` + `move_mount`, ~0.2 ms), as
-often as needed. Making one costs ~10-15 ms, mostly waiting on the kernel: `DiskSpares` makes them ahead of need,
-so a sandbox's start only attaches one. A detached disk needs no clean-up of its own: its image has no name, and
-when the process holding it ends, however it ends, the kernel drops the mount, the loop device and the image's
-blocks.
-
-A disk is attached in the host's mount namespace only while something there needs its path: while a sandbox
-starts (bwrap binds it by path) or to hand a workspace over. `detach()` then takes the mount point away again, and
-the host reaches the disk through `root` (a path through this process's fd of it) instead. This matters at scale:
-every new mount namespace (each bwrap start) copies every mount of the host's, and bwrap reads the whole mount
-table once per bind: with thousands of sandboxes each keeping its disk attached, each start cost grows with the
-number of sandboxes alive (measured: 2.6 ms to start a minimal bwrap alone, 18 ms beside 2,000 mounts).
-
-`unmount()` detaches it, then a thread shuts the filesystem down (nothing written back: the image goes next) and
-drops the last references. A process that dies without closing its sandboxes may leave attached disks mounted:
-`unmount_under()` removes every mount below a dead sandbox's temp dir before the orphan sweep removes the dir.
+Design notes (why not tmpfs or quotas; measurements): docs/sandboxes.md#sandboxdiskpy
 """
 
 from __future__ import annotations

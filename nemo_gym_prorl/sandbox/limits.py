@@ -1,20 +1,14 @@
 """What bounds a sandbox beyond its namespaces: rlimits, a cgroup per sandbox, and the output kept per command.
 
-- `rlimits(limits)`: applied to every process inside. RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NOFILE and
-  RLIMIT_CORE are per process (open files in total: at most max_open_files x max_processes). RLIMIT_NPROC is
-  counted per user *namespace* (Linux >= 5.14 accounts it in the namespace's ucounts), so a sandbox whose processes
-  live in user namespaces of its own gets a process limit of its own, although every sandbox runs as the same uid.
-- `SandboxCgroup`: cgroup v1 `pids`, `memory` and `freezer` directories for one sandbox, where this process may
-  create them (root on the hosts we run on; cgroup v2 is not usable there). `pids.max` bounds the processes of the
-  sandbox together and `memory.limit_in_bytes` its resident memory together, tmpfs pages and the kernel's objects
-  for its open files included; the cgroup also lets `close()` find and kill every process the sandbox ever
-  started, and the freezer stops them all at once (while a fork copies the workspace). Elsewhere `create()`
-  returns None and only the rlimits hold: per-process address space instead of a whole-sandbox memory cap.
+- `rlimits(limits)`: per-process limits for every process inside; RLIMIT_NPROC counts per user namespace.
+- `SandboxCgroup`: cgroup v1 `pids`, `memory` and `freezer` for one sandbox, where this process may create them.
 - `OutputCap`: keeps the head and the tail of a command's output within a byte budget.
 
 Run as a script (`python -I -S limits.py REQUEST`), this module is also the helper that starts one program inside a
-running sandbox (`BwrapSandbox.exec` and file I/O on forks): see `_join_and_exec`. It then imports nothing but
-the standard library and its sibling `seccomp.py`, so it starts in a few milliseconds.
+running sandbox (`BwrapSandbox.exec` and file I/O on forks): see `_join_and_exec`. It then imports nothing but the
+standard library and its sibling `seccomp.py`, so it starts in a few milliseconds.
+
+Design notes: docs/sandboxes.md#sandboxlimitspy
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """A persistent interactive bash in a pseudo-terminal, driven without blocking the event loop.
 
-Each command is written to a file in a control directory and sourced by one line sent to the shell, followed by a
-`printf` of a marker that carries `$?`. Sourcing keeps cwd, variables and functions across commands and lets a
-command span lines (heredocs included); `< /dev/null` keeps it from eating the lines we send next. The marker is
-random per shell and numbered per request, and is printed from two `%s` parts, so neither an echoed command line
-nor the output of an earlier request can be mistaken for it.
+Each command is written to a file and sourced by the shell (cwd, variables and functions persist), then a random,
+numbered marker carries `$?`. No readline and no echo: the output is exactly what the command printed. A timed-out
+command is interrupted through the terminal (Ctrl-C, then Ctrl-\\); a shell that does not answer is restarted.
+Spawning is fork-safe in a threaded process; how the child becomes a session leader with the pty as its
+controlling terminal is the `ShellLauncher`'s business.
 
-The shell runs with `--noediting` (no readline) in canonical tty mode with echo and `onlcr` off (set on the pty
-before the shell starts, so no `stty` is needed inside), so its output is exactly what the command printed. A
-timed-out command is interrupted through the terminal (Ctrl-C, then Ctrl-\\) and, if the shell still does not
-answer, the shell is restarted. So is a command whose output passes `max_drained_bytes`: draining a pty is slow
-(~50 MB/s), and what is kept is capped anyway.
-
-Spawning is fork-safe in a threaded process: the pty comes from `os.openpty()`, the child from `subprocess.Popen`
-(fork/exec in C, no Python between them), and the child must be a session leader with the pty as its controlling
-terminal, so that Ctrl-C reaches the foreground job. (`pty.fork()`, which `ptyprocess` uses, runs Python in the
-forked child, which can deadlock when other threads held locks at the fork.) How the child gets there is the
-`ShellLauncher`'s business: by default util-linux `setsid --ctty`; a sandbox backend may do it in its own start-up
-chain instead, and also says which processes belong to the shell and which exits mean the sandbox is gone.
+Design notes: docs/sandboxes.md#sandboxpty_shellpy
 """
 
 from __future__ import annotations

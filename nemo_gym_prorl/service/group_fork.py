@@ -1,29 +1,12 @@
 """GRPO group forking, "one init, n forks": the samples of one instance share one init, each continuing on a
 copy-on-write fork of its sandbox (``Environment.fork``).
 
-Every sample of a GRPO group starts from the same staged task (the same first prompt, the same workspace), so the
-n inits of a group do the same work n times; for SWE that is a repository staged n times. With the pipeline's
-``fork_groups`` on, the group's init runs once and its sandbox is forked into one sandbox per sample still
-waiting (``Sandbox.fork(n, close=True)``: the parent closes on the way and hands its workspace over instead of
-copying it). Each sample then runs and is graded on its own sandbox exactly as without forking.
+Valid where an episode's whole state after init is its sandbox's workspace plus the Episode's own fields; Gym tasks
+and backends without ``fork`` init one by one. Whether it forks: ``service.pipeline.fork_groups`` when set, else
+each task's ``Environment.shares_group_init``. Members come and go independently; a failed init or fork fails every
+member still waiting with ``GroupInitFailed`` and leaves no sandbox behind.
 
-What it is valid for: an episode whose whole state after init is its sandbox's workspace (files; a fork starts a
-fresh shell, so nothing init left in the shell's state carries over) plus the Episode's own fields (copied). That
-holds for every task type whose init stages files into our sandbox; a Gym task's episode is a session on the Gym
-server (no sandbox of ours to fork), so its samples init one by one. Backends without ``fork`` (Apptainer today)
-init one by one too. On Ray, the group's init runs on one rollout worker and its forks are made and held there
-(``RemoteEnvironment.fork``), each taking a sandbox slot of that worker.
-
-Whether it can fork is the environment's to say (``Environment.can_fork``: its task type and its backend). Whether
-it does: the service's ``service.pipeline.fork_groups`` when set; unset, each task's environment says
-(``Environment.shares_group_init``: where staging costs more than a fork, as SWE's repositories do). Forking changes nothing a sample sees, only what
-its init costs and when the samples of a group start (together, once the shared init is done, with all n sandbox
-slots taken before it).
-
-Members come and go independently: one that is cancelled or runs past its deadline while the group's init runs
-only stops waiting (the last one to go cancels the init, whose sandbox is closed); one that goes while the fork is
-being made waits for it and has its fork closed. A failed init or fork fails every member still waiting with
-``GroupInitFailed`` naming the cause, and leaves no sandbox behind.
+Design notes: docs/service.md#servicegroup_forkpy
 """
 
 from __future__ import annotations

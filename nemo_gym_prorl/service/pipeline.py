@@ -1,22 +1,11 @@
 """The three-stage rollout pipeline: init → run → eval, each with its own queue and bounded worker pool.
 
-Why stages: inits and evals are slow and bursty (sandbox start, test runs) while the run stage mostly waits on the
-model. With one semaphore around init → run → eval, a slow eval holds a slot the model could be using; with
-stages, each kind of work has its own concurrency and a rollout waiting for eval does not block one that could
-generate. Live sandboxes are capped separately (a slot is taken before init and given back when the sandbox is
-closed).
+Stages keep slow, bursty inits and evals from holding slots the model could use; live sandboxes are capped
+separately, and the run stage closes its sandbox before eval. With ``fork_groups`` on, a GRPO group goes through
+init as one (``group_fork``). Deadlines count stage time only; cancelling frees the sandbox at once; every rollout
+ends in a trajectory whose ``critical_error`` says what ended it.
 
-The run stage ends by collecting what grading needs (the answer, a patch) and closing the sandbox, so a long
-evaluation never holds a sandbox slot that the next init could use.
-
-With ``fork_groups`` on, the samples of one instance submitted together (a GRPO group) go through init as one:
-their sandbox slots are taken together, one init runs, and its sandbox is forked into one per sample
-(``group_fork``); each sample's init stage is the shared init plus its fork, and from there on it is a rollout
-like any other.
-
-Deadlines count stage time only, never queue time: each stage has its own, and a rollout's stages together have
-the job's. Cancelling a rollout frees its sandbox at once, whatever stage or queue it is in. Every rollout ends in
-a trajectory whose ``critical_error`` says what ended it (init/run/eval/timeout/cancelled, or None).
+Design notes: docs/service.md#servicepipelinepy
 """
 
 from __future__ import annotations

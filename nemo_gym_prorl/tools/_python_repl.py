@@ -1,29 +1,12 @@
 """The `python` tool's interpreter: a program copied into the sandbox and run there by the sandbox's own python3.
 
-Two roles, one file (it must run on any Python >= 3.8 and import nothing outside the standard library):
+Two roles, one file (any Python >= 3.8, standard library only): ``repl.py serve FD``, the persistent interpreter on
+a listening Unix socket, one namespace for its whole life; and ``repl.py call CELL --timeout T --grace G --tag TAG
+--max-output N``, one tool call run in the sandbox's shell, which starts the interpreter when none answers, sends
+the cell, interrupts it after T seconds (SIGINT; the group killed G seconds later) and prints TAG, a JSON status
+line and the capped output. Everything lives in the directory holding this file (the workspace's `.prorl/python`).
 
-``repl.py serve FD``
-    The persistent interpreter. It accepts one connection at a time on the listening Unix socket FD, reads one
-    request (a JSON line: the cell's code and the shell's cwd), runs the cell in one namespace that lives as long
-    as the process (variables and imports survive), and answers with a JSON line (the cell's status). While a cell
-    runs, file descriptors 1 and 2 point at the state dir's ``output`` file, so print(), tracebacks and the output
-    of child processes are all captured, in order. A last expression's value is printed, as in the REPL.
-    SIGINT raises KeyboardInterrupt in a running cell and is ignored between cells. The interpreter starts in
-    the shell's directory and follows the shell when the shell changes directory (``cd`` in bash); an
-    ``os.chdir`` in Python holds until then.
-
-``repl.py call CELL --timeout T --grace G --tag TAG --max-output N``
-    One tool call, run in the sandbox's shell (so in the interpreter's namespaces). It serializes with other
-    calls on a lock file, connects to the interpreter (starting one in its own session, i.e. in the background
-    and outside the shell's job control, when none answers), sends the cell read from the file CELL (and deletes
-    that file), and waits for the answer. After T seconds it sends SIGINT to the interpreter's process group
-    (what Ctrl-C in a terminal does); when the cell has still not ended G seconds later, it kills the group and
-    the next call starts a fresh interpreter. It prints TAG and a JSON status line, then the cell's output
-    (head and tail, at most N bytes) and notes explaining any interrupt or restart. It always exits 0.
-
-Everything lives in the directory holding this file (the workspace's hidden ``.prorl/python``): the socket
-(bound by a relative name, so a deep workspace path cannot exceed the socket path limit), ``driver.pid``,
-``driver.log``, the lock and the cell output.
+Design notes: docs/sandboxes.md#tools_python_replpy
 """
 
 import argparse

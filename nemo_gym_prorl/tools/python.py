@@ -1,19 +1,11 @@
 """`python`: a persistent Python interpreter inside the sandbox, like a notebook kernel.
 
 Variables, functions and imports survive from one call to the next. A cell still running after the timeout gets
-KeyboardInterrupt (its traceback is in the output) and the interpreter lives on with its state; a cell that
-ignores the interrupt is killed with its interpreter, and the next call starts a fresh one and says so. The
-output is everything the cell wrote to stdout and stderr, in order (its child processes' too), the value of a
-last expression as the REPL would print it, and exceptions as tracebacks.
+KeyboardInterrupt and the interpreter lives on; a cell that ignores it is killed with its interpreter, and the next
+call starts a fresh one and says so. The interpreter (`_python_repl.py`) is copied into the workspace's hidden
+`.prorl/python/` and driven from the sandbox's persistent shell, so it dies with the sandbox.
 
-How: the interpreter is a small program (`_python_repl.py`, standard library only, any python3 >= 3.8) copied
-into the workspace's hidden dir `.prorl/python/` and run by the sandbox's own python3. Each call writes the cell
-to a file there and runs `repl.py call` in the sandbox's persistent shell: that client connects to the
-interpreter over a Unix socket in the same dir (starting it in the background, in its own session, the first
-time), hands it the cell, enforces the timeout (SIGINT, then SIGKILL to the interpreter's process group) and
-prints the result behind a random tag. Because the client runs in the shell, the interpreter lives in the
-sandbox's own process namespace and dies with the sandbox. The interpreter starts in the shell's directory and
-follows it when the shell changes directory; its environment is the shell's when it started.
+Design notes: docs/sandboxes.md#toolspythonpy
 """
 
 from __future__ import annotations

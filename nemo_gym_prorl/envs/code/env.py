@@ -1,12 +1,12 @@
-"""Code: the model writes a program; it is graded by running unit tests in a fresh sandbox (`code_grading`).
+"""Code: the model writes a program; it is graded by running unit tests in a fresh sandbox (`grading.py`).
 
 Rows are LiveCodeBench-style (NeMo Gym's ``code_gen`` rows as they are: stdin/stdout or call-based) or
-HumanEval-style (`code_tests`). The agent may try its code in its own sandbox first: the problem is staged as
-``problem.md`` and, with ``verifier.public_tests: N``, the first N tests as ``tests/<i>.in`` / ``tests/<i>.out``
-(``.json`` arguments and return value for call-based rows). Its answer is, in this order: a workspace file its
-final answer names (``solution.py``), the last fenced code block of its final answer, the last ``python`` block it
-wrote during the episode. A task without a ``prompt_template`` takes its first prompt from the row's
-``responses_create_params`` (Gym rows keep their own prompts).
+HumanEval-style (`cases.py`). The agent may try its code in its own sandbox first: the problem is staged as
+``problem.md`` and, with ``verifier.public_tests: N``, the first N tests as ``tests/<i>.in`` /
+``tests/<i>.expected.out`` (``.json`` arguments and return value for call-based rows). Its answer is, in this
+order: a workspace file its final answer names (``solution.py``), the last fenced code block of its final answer,
+the last ``python`` block it wrote during the episode. A task without a ``prompt_template`` takes its first prompt
+from the row's ``responses_create_params`` (Gym rows keep their own prompts).
 """
 
 from __future__ import annotations

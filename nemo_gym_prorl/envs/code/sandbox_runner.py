@@ -2,28 +2,12 @@
 
     PRORL_GRADING_SANDBOX=1 python3 -I sandbox_runner.py JOB.json RESULTS.jsonl
 
-It is standard library only (it runs on the sandbox image's Python, not ours) and never runs model code in its
-own process: each test is a child forked off this runner (a warm interpreter: ~2 ms a test instead of ~20 ms for a
-new one) that first puts itself in a session of its own (no controlling terminal, its own process group), bounds
-its output file (RLIMIT_FSIZE: past the cap the kernel stops it with SIGXFSZ) and CPU time, connects real files
-to fds 0/1/2, and only then compiles and runs the program. The runner waits for it with a per-test wall-clock
-limit, kills its process group, and after each problem kills every other process of the sandbox (all but the
-sandbox's init, itself and the shell that started it), so a daemon left by one problem never sees the next.
-Results are written only then, one JSON line per problem, so no test process is alive to tamper with them; a
-problem that kills the runner leaves the lines of the problems before it (see `code_grading` for what the grader
-then trusts).
+Standard library only. Each test is a child forked off this runner, in a session of its own, with its output file
+and CPU time bounded and real files on fds 0/1/2; after each problem every other process of the sandbox is killed,
+and only then are its results written (one JSON line per problem). Expected outputs never enter the sandbox:
+outputs and return values come back raw and are judged outside (`grading.py`).
 
-Expected outputs never enter the sandbox: a stdin/stdout test's output and a call-based test's return value
-(as JSON) come back raw, and the grader compares them outside. Only the line count of each expected stdout comes
-in (``line_counts``), so that a run stops at the first output of the wrong length (always a wrong answer) rather
-than running every test; it tells a program nothing it could print. HumanEval-style tests are assertions, so they
-run here with the candidate; a test passes only when ``check`` returned and the child then wrote a per-test
-token to a pipe, so an early ``sys.exit(0)`` or ``os._exit(0)`` in the candidate is a failure, not a pass.
-
-Job: {"problems": [{"id", "kind": "stdin" | "call" | "humaneval", "program", "inputs": [...], "fn_name",
-"test", "entry_point", "line_counts"}], "timeout_s", "output_cap_bytes", "prelude", "stop_on_failure"}.
-Result per test: {"status": "ok" | "timeout" | "runtime_error" | "output_limit" | "killed", "output",
-"return_json", "stderr", "exit_code", "signal", "time_s"}.
+Design notes (the job and result shapes): docs/code-and-stem.md#envscodesandbox_runnerpy
 """
 
 import json

@@ -1,26 +1,12 @@
 """Multiple-choice grading on NeMo Gym's ``mcqa`` row schema, with the answer-reading modes Gym's servers have.
 
-A row: ``options`` as a list of one-key dicts (``[{"A": "..."}, {"B": "..."}]``, any number of them),
-``expected_answer`` (a letter), ``grading_mode`` and optionally ``template_metadata.output_regex`` (one pattern or a
-list), which is tried first: its last case-insensitive match, taken as a letter (trusted even when no option has
-it) or as an option's exact text. The reply's reasoning trace (``<think>...</think>``) is never read.
+A row: ``options`` (one-key dicts, any number), ``expected_answer`` (a letter), ``grading_mode`` and optionally
+``template_metadata.output_regex``, tried first. Modes: ``strict_single_letter_boxed``, ``lenient_boxed``,
+``lenient_answer_colon``, ``lenient_answer_colon_md``, ``boxed_or_answer_colon`` (Gym's gpqa_diamond) and
+``choice_tag_or_answer`` (Gym's bunsenbench_chemistry_mcq). The reasoning trace is never read; a letter outside the
+options is no answer; option text matches with case ignored unless two options differ only in case.
 
-Modes, by how a reply's choice is read:
-- ``strict_single_letter_boxed``: the last ``\\boxed{...}`` (braces balanced; ``\\text{}`` wrappers off) holds a
-  letter alone (``B``, ``(B)``, ``[B]``) or a letter then ``:``, ``)``, ``.`` or ``-`` and the option's text.
-- ``lenient_boxed``: that, else the boxed text contains exactly one option's text (spacing ignored).
-- ``lenient_answer_colon``: the first ``Answer:``: a single letter, or exactly an option's text.
-- ``lenient_answer_colon_md``: the last ``Answer:`` (markdown emphasis allowed, or the row's
-  ``template_metadata.answer_prefix``): its leading letter, else its last stand-alone capital; a list of choices
-  ("A or B") reads as none. With an answer prefix, a boxed letter is the fallback.
-- ``boxed_or_answer_colon`` (Gym's gpqa_diamond): the last ``\\boxed{}`` holding one capital letter, or its last
-  stand-alone capital, else the last ``Answer: X``.
-- ``choice_tag_or_answer`` (Gym's bunsenbench_chemistry_mcq): the last of ``<choice>``/``<answer>``/``<response>``
-  tags (not the prompt's ``<choices>`` list echoed), ``\\boxed{}``, ``Answer:`` and "the answer is" that reads as a
-  letter (``B``, ``(B)``, ``Option B``, ``B) ...``) or as an option's exact text (``CO₂`` = ``CO2``, case kept),
-  else the last line, else the first, read the same way.
-A letter outside the options is no answer. Option text is matched with case ignored, as Gym's mcqa matches it,
-except between options that differ only in case (``CO`` and ``Co``): there case decides, so ``co`` names neither.
+Design notes (how each mode reads a reply): docs/code-and-stem.md#envsstemmcqapy
 """
 
 from __future__ import annotations
