@@ -4,6 +4,7 @@ others, and a trainer's client loads no engine, dataset or sandbox code."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,40 @@ def test_the_trainers_client_loads_contracts_and_http_only(heavy: str):
     probe = f"import sys, nemo_gym_prorl.service.client; print({heavy!r} in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "False", f"import nemo_gym_prorl.service.client loads {heavy}"
+
+
+ROOT = PACKAGE.parent
+DOCSTRING_MAX_LINES = 15  # what a module owns and why; essays and measurements live in docs/
+README_MAX_LINES = 300  # a guide: what it is, the two commands, concepts, layout, one short section per use
+MARKDOWN_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def test_no_module_docstring_is_over_15_lines():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        if docstring is not None and len(docstring.splitlines()) > DOCSTRING_MAX_LINES:
+            long.append(f"{path.relative_to(ROOT)}: {len(docstring.splitlines())} lines")
+    assert not long, f"module docstrings over {DOCSTRING_MAX_LINES} lines (detail goes to docs/):\n" + "\n".join(long)
+
+
+def test_readme_is_at_most_300_lines():
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}; the rest: docs/)"
+
+
+def relative_links(markdown: str) -> list[str]:
+    """The targets of a page's links and images that point into the repository: not URLs, not bare #anchors, and
+    nothing inside fenced code blocks or code spans."""
+    prose = re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", markdown, flags=re.S | re.M)
+    prose = re.sub(r"`[^`\n]*`", "", prose)
+    return [target for target in MARKDOWN_LINK.findall(prose)
+            if not re.match(r"[a-z][a-z0-9+.-]*:", target, re.I) and not target.startswith("#")]
+
+
+def test_every_relative_link_in_readme_and_docs_resolves():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = [f"{page.relative_to(ROOT)}: {target}"
+              for page in pages for target in relative_links(page.read_text())
+              if not (page.parent / target.split("#", 1)[0]).exists()]
+    assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
