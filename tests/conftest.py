@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from standin_helpers import SCRIPT, running_standin
 
 from nemo_gym_prorl.models.launcher import LocalModelConfig, LocalModelServer
 from nemo_gym_prorl.models.local_model import default_gguf
@@ -62,3 +63,15 @@ def rootfs(installed: str) -> Path:
 @pytest.fixture(scope="session")
 def sif(rootfs: Path) -> Path:
     return images.build_sif(rootfs)
+
+
+@pytest.fixture(scope="module")
+def instant_model() -> Iterator[str]:
+    """The stand-in answering SCRIPT at once, one per module."""
+    yield from running_standin(SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def slow_model() -> Iterator[str]:
+    """The stand-in taking 30 s a turn: rollouts stay live while a test acts on them."""
+    yield from running_standin(SCRIPT, latency_s=30.0)

@@ -142,3 +142,21 @@ def test_every_relative_link_in_readme_and_docs_resolves():
               for page in pages for target in relative_links(page.read_text())
               if not (page.parent / target.split("#", 1)[0]).exists()]
     assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+
+
+TESTS = ROOT / "tests"
+
+
+def test_the_tests_mirror_the_package():
+    """A module's tests are found by its path: each folder under tests/ is a folder of the package (or recipes/),
+    helpers live in tests/support/, and everything else there is a test module."""
+    astray = []
+    for path in sorted(TESTS.rglob("*")):
+        relative = path.relative_to(TESTS)
+        if "__pycache__" in relative.parts or relative.parts[0] == "support":
+            continue
+        if path.is_dir() and not ((PACKAGE / relative).is_dir() or (ROOT / relative).is_dir()):
+            astray.append(f"tests/{relative}/ (no nemo_gym_prorl/{relative}/)")
+        elif path.suffix == ".py" and not (path.name.startswith("test_") or path.name == "conftest.py"):
+            astray.append(f"tests/{relative} (helpers go to tests/support/)")
+    assert not astray, "tests that are not where the package says:\n" + "\n".join(astray)

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import TEST_N_CTX
 from standin_helpers import running_standin
 
 from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.models.launcher import LocalModelServer
 
 PRORL = [str(Path(sys.executable).with_name("prorl"))]
-TEST_N_CTX = 2048
 
 
 def prorl(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:

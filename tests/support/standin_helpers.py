@@ -1,0 +1,26 @@
+"""A stand-in model server process for a module's tests (synchronous fixtures, so module-scoped ones can share it),
+and the arithmetic row and script most service tests give it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+from nemo_gym_prorl.models.launcher import ModelServerProcess
+from nemo_gym_prorl.models.standin import standin_argv
+
+SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]  # a tool call, then the answer
+STAGED_SCRIPT = ["```bash\ncat problem.txt; echo $((6 * 7))\n```", "\\boxed{42}"]  # reads what init staged
+ROW = {"id": "q1", "question": "Calculate 6 * 7.", "answer": "42"}
+
+
+def running_standin(script: list[str], latency_s: float = 0.0) -> Iterator[str]:
+    """Yield the base URL of a started stand-in model scripted with `script`; stop it afterwards."""
+    loop = asyncio.new_event_loop()
+    server = ModelServerProcess(standin_argv(script, latency_s))
+    loop.run_until_complete(server.__aenter__())
+    try:
+        yield server.base_url
+    finally:
+        loop.run_until_complete(server.stop())
+        loop.close()
