@@ -19,7 +19,7 @@ from nemo_gym_prorl.sandbox import SandboxError, SandboxLimits, SandboxSpec
 from nemo_gym_prorl.sandbox.apptainer import ApptainerSandbox
 from nemo_gym_prorl.sandbox.disk import SandboxDisk
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(420)  # the module's first test may build the session's image (~2 min, more on a busy machine)
 
 LIMITS = SandboxLimits(memory_mb=256, max_processes=32, wall_clock_s=60, disk_mb=48)
 

@@ -267,7 +267,7 @@ def test_find_apptainer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, install
         find_apptainer()
     monkeypatch.delenv(apptainer_binary.APPTAINER_ENV)
     monkeypatch.delenv(apptainer_binary.PREFIX_ENV, raising=False)
-    monkeypatch.setattr(apptainer, "_REPO", tmp_path)
+    monkeypatch.setattr(apptainer_binary, "_REPO", tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(SandboxError, match=r"apptainer is not installed: run .*scripts/install_apptainer\.sh"):
         find_apptainer()

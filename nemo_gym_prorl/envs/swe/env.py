@@ -110,9 +110,7 @@ class SweEnvironment(Environment):
             return Evaluation(reward=0.0, resolved=False,
                               details={"reason": "empty patch: the agent changed nothing", "patch_applied": False,
                                        **notes})  # fmt: skip
-        from nemo_gym_prorl.envs.swe.env import (
-            grade as swe_grade,  # swebench's harness: imported on the first grade (~1 s)
-        )
+        from nemo_gym_prorl.envs.swe import grade as swe_grade  # swebench's harness: imported on the first grade (~1 s)
 
         settings = swe_grade.GradeSettings(**self.settings.model_dump(include=set(swe_grade.GradeSettings.model_fields)))
         sandbox, base = await self._staged_sandbox(row)
