@@ -11,23 +11,13 @@ such a reply (``Environment.plain_reply_ends_episode``, as NeMo Gym's agents do)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from nemo_gym_prorl.agent.turns import ContextLengthExceeded, Turn, TurnGenerator
-from nemo_gym_prorl.contracts.trajectory import Finish
+from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, Trajectory
 from nemo_gym_prorl.envs.base import Environment, Episode
 from nemo_gym_prorl.telemetry import tracing
 from nemo_gym_prorl.tool_calls import ParsedReply, ToolCallFormat, parse_openai_tool_calls
-
-
-@dataclass
-class AgentOutcome:
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
-    finish: Finish
-    num_tool_calls: int = 0
-    num_format_errors: int = 0
 
 
 def _parse(tool_format: ToolCallFormat, turn: Turn) -> ParsedReply:
@@ -64,16 +54,29 @@ class AgentLoop:
         self.tool_format = tool_format
         self.max_turns = max_turns
 
-    def start(self, env: Environment, episode: Episode) -> AgentOutcome:
-        """The outcome `run` fills in as it goes, so what happened survives a timeout or a cancel."""
+    def start(self, env: Environment, episode: Episode, trajectory: Trajectory) -> None:
+        """Set `trajectory` up with the first prompt; `run` fills it in as it goes, so what happened survives a
+        timeout or a cancel. The episode's messages are the trajectory's (the environment reads them)."""
         # CodeAct agents act through code blocks the prompt describes, not through function schemas.
         tools = [] if self.tool_format.name == "codeact" else env.tool_schemas(episode.instance)
-        episode.messages = env.prompt_messages(episode.instance)
-        return AgentOutcome(messages=episode.messages, tools=tools, finish="max_turns")
+        episode.messages = [dict(m) for m in env.first_prompt(episode.instance)]  # the samples of a group share it
+        trajectory.messages, trajectory.tools, trajectory.finish = episode.messages, tools, "max_turns"
+        trajectory.num_tool_calls = trajectory.num_format_errors = 0
 
-    async def run(self, env: Environment, episode: Episode, outcome: AgentOutcome | None = None) -> AgentOutcome:
-        outcome = outcome or self.start(env, episode)
-        messages, tools = outcome.messages, outcome.tools
+    async def first_turn_only(self, trajectory: Trajectory, reason: str) -> None:
+        """The model's first turn on the started prompt alone (no sandbox, no tool run), masked: for a rollout
+        that ended before that turn. NeMo RL needs a generated token in every result; a masked one trains on none,
+        and it is the policy's own generation on the prompt every sample of the group starts from."""
+        async with tracing.span("model", turn=0) as span:
+            turn = await self.generator.generate(trajectory.messages, trajectory.tools or None, None)
+            span.set(prompt_tokens=len(turn.prompt_token_ids), generated_tokens=len(turn.generation_token_ids))
+        assistant = {"role": "assistant", "content": turn.text, **turn.model_dump(include=set(TOKEN_FIELDS))}
+        assistant.update(finish_reason=turn.finish_reason, mask=True, first_turn_only=reason)
+        trajectory.messages.append(assistant)
+
+    async def run(self, env: Environment, episode: Episode, trajectory: Trajectory) -> None:
+        """The turns after `start`, on `trajectory`."""
+        messages, tools = trajectory.messages, trajectory.tools
         previous: Turn | None = None
         sandbox = {}
         if episode.sandbox is not None:
@@ -86,8 +89,8 @@ class AgentLoop:
                     span.set(prompt_tokens=len(turn.prompt_token_ids), generated_tokens=len(turn.generation_token_ids),
                              finish_reason=turn.finish_reason)
             except ContextLengthExceeded:
-                outcome.finish = "context_length"
-                return outcome
+                trajectory.finish = "context_length"
+                return
             parsed = _parse(self.tool_format, turn)
             if env.plain_reply_ends_episode and parsed.no_call:  # a malformed call stays a format error
                 parsed = parsed.model_copy(update={"error": None, "no_call": False, "final_answer": parsed.content})
@@ -97,23 +100,22 @@ class AgentLoop:
                 error = "reply cut at the max_tokens limit" + (f"; {error}" if error else "")
             if error:
                 assistant["format_error"] = error
-                outcome.num_format_errors += 1
+                trajectory.num_format_errors += 1
             messages.append(assistant)
             previous = turn
 
             if parsed.final_answer is not None and turn.finish_reason != "length":
                 episode.answer = parsed.final_answer
-                outcome.finish = "answer"
-                return outcome
+                trajectory.finish = "answer"
+                return
             for call in parsed.tool_calls:
                 async with tracing.span("tool", turn=turn_index, tool=call.name, **sandbox) as span:
                     result = await env.call_tool(episode, call)
                     span.set(finished=result.finished)
-                outcome.num_tool_calls += 1
+                trajectory.num_tool_calls += 1
                 messages.append(self.tool_format.tool_result_message(call, result.text))
                 if result.finished:
-                    outcome.finish = "finish"
-                    return outcome
+                    trajectory.finish = "finish"
+                    return
             if not parsed.tool_calls:
                 messages.append(self.tool_format.format_error_message(error or "no tool call"))
-        return outcome

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nemo_gym_prorl.agent.loop import AgentOutcome
 from nemo_gym_prorl.contracts.task import DatasetConfig, TaskConfig, TaskInstance
+from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.envs.base import Episode, Evaluation, Submission
 from nemo_gym_prorl.service.pipeline import PipelineConfig, Rollout, RolloutPipeline, StageConfig
 
@@ -84,16 +84,14 @@ class SyntheticAgent:
     def __init__(self, gpu: asyncio.Semaphore, latency_s: float, turns: int) -> None:
         self.gpu, self.latency_s, self.turns = gpu, latency_s, turns
 
-    def start(self, env: object, episode: Episode) -> AgentOutcome:
-        return AgentOutcome(messages=[], tools=[], finish="max_turns")
+    def start(self, env: object, episode: Episode, trajectory: Trajectory) -> None:
+        trajectory.finish = "max_turns"
 
-    async def run(self, env: object, episode: Episode, outcome: AgentOutcome | None = None) -> AgentOutcome:
-        outcome = outcome or self.start(env, episode)
+    async def run(self, env: object, episode: Episode, trajectory: Trajectory) -> None:
         for _ in range(self.turns):
             async with self.gpu:
                 await asyncio.sleep(self.latency_s)
-        outcome.finish = "answer"
-        return outcome
+        trajectory.finish = "answer"
 
 
 async def naive(workloads: list[Workload], live_cap: int, gpu_slots: int, latency_s: float) -> tuple[float, int]:
@@ -104,7 +102,8 @@ async def naive(workloads: list[Workload], live_cap: int, gpu_slots: int, latenc
         async with live:
             episode = await env.init(TaskInstance(instance_id=str(i), data={}))
             try:
-                await SyntheticAgent(gpu, latency_s, w.turns).run(env, episode)
+                trajectory = Trajectory(instance_id=str(i), trajectory_id=str(i))
+                await SyntheticAgent(gpu, latency_s, w.turns).run(env, episode, trajectory)
                 await env.eval(episode)
             finally:
                 await env.close(episode)

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from nemo_gym_prorl.agent.loop import AgentLoop, AgentOutcome
+from nemo_gym_prorl.agent.loop import AgentLoop
 from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.task import TaskInstance
+from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Submission
 from nemo_gym_prorl.service.pipeline import RolloutLost
 from nemo_gym_prorl.telemetry.stage_clock import current_stage_clock
@@ -174,8 +175,7 @@ class RemoteAgentLoop(AgentLoop):
         super().__init__(None, tool_format, max_turns)  # type: ignore[arg-type]  # generation happens remotely
         self.remote, self.trajectory_id, self.sampling = env, trajectory_id, sampling
 
-    async def run(self, env: Environment, episode: Episode, outcome: AgentOutcome | None = None) -> AgentOutcome:
-        outcome = outcome or self.start(env, episode)
+    async def run(self, env: Environment, episode: Episode, trajectory: Trajectory) -> None:
         remote = self.remote
         assert remote.worker is not None
         clock = current_stage_clock.get()
@@ -193,23 +193,22 @@ class RemoteAgentLoop(AgentLoop):
                 partial = await _shielded(closing)
                 if partial is not None:
                     graft(partial.spans, partial.run_attributes)
-                    _apply(partial, outcome)
+                    _apply(partial, trajectory)
             raise
         finally:
             if clock is not None:  # the stage's time is the worker's; only what it held counts as queued
                 clock.held_s -= loop.time() - started - (report.held_s if report is not None else 0.0)
         remote.report = report
         graft(report.spans, report.run_attributes)  # the worker's model and tool spans, under this run stage
-        _apply(report, outcome)
+        _apply(report, trajectory)
         if report.error is not None:
             raise report.error
         if report.timed_out:
             raise TimeoutError
-        return outcome
 
 
-def _apply(report: RunReport, outcome: AgentOutcome) -> None:
-    outcome.messages[:] = report.messages
-    outcome.tools[:] = report.tools
-    outcome.finish = report.finish  # type: ignore[assignment]
-    outcome.num_tool_calls, outcome.num_format_errors = report.num_tool_calls, report.num_format_errors
+def _apply(report: RunReport, trajectory: Trajectory) -> None:
+    trajectory.messages[:] = report.messages  # in place: the episode holds the same list
+    trajectory.tools[:] = report.tools
+    trajectory.finish = report.finish  # type: ignore[assignment]
+    trajectory.num_tool_calls, trajectory.num_format_errors = report.num_tool_calls, report.num_format_errors

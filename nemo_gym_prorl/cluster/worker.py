@@ -27,10 +27,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from nemo_gym_prorl.agent.llm_pool import LLMPool, LLMPoolConfig
-from nemo_gym_prorl.agent.loop import AgentOutcome
 from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance
-from nemo_gym_prorl.contracts.trajectory import TimedSpan
+from nemo_gym_prorl.contracts.trajectory import TimedSpan, Trajectory
 from nemo_gym_prorl.envs import Environment, Episode, make_environment
 from nemo_gym_prorl.envs.base import Evaluation, Submission
 from nemo_gym_prorl.models.tokenizer import Tokenizer
@@ -83,10 +82,10 @@ class RunReport(BaseModel):
     run_attributes: dict[str, Any] = {}
 
     @classmethod
-    def of(cls, outcome: AgentOutcome, **extra: Any) -> RunReport:
+    def of(cls, run: Trajectory, **extra: Any) -> RunReport:
         return cls(
-            messages=outcome.messages, tools=outcome.tools, finish=outcome.finish,
-            num_tool_calls=outcome.num_tool_calls, num_format_errors=outcome.num_format_errors, **extra,
+            messages=run.messages, tools=run.tools, finish=run.finish,
+            num_tool_calls=run.num_tool_calls, num_format_errors=run.num_format_errors, **extra,
         )  # fmt: skip
 
 
@@ -96,7 +95,7 @@ class _Held:
 
     task: str | None = None
     episode: Episode | None = None
-    outcome: AgentOutcome | None = None
+    run: Trajectory | None = None  # what the run got to, as the head's trajectory will have it
     recorded: DetachedRun | None = None  # the run's spans so far
     busy: asyncio.Task[Any] | None = None
     closed: bool = False
@@ -178,18 +177,19 @@ class RolloutWorker:
         assert held.episode is not None and self.pool is not None
         env = self.envs[task]
         agent = make_agent_loop(env, self.spec.model, self.pool, self.tokenizer, trajectory_id, sampling)
-        outcome = held.outcome = agent.start(env, held.episode)
+        run = held.run = Trajectory(instance_id=held.episode.instance.instance_id, trajectory_id=trajectory_id)
+        agent.start(env, held.episode, run)
         clock: StageClock | None = None
         try:
             async with self._busy(held), asyncio.timeout(budget_s) as timeout:
                 clock = StageClock(timeout)
                 current_stage_clock.set(clock)
-                await agent.run(env, held.episode, outcome)
+                await agent.run(env, held.episode, run)
                 submission = await env.collect(held.episode)
         except TimeoutError:
-            return RunReport.of(outcome, timed_out=True, held_s=clock.held_s if clock else 0.0)
+            return RunReport.of(run, timed_out=True, held_s=clock.held_s if clock else 0.0)
         except Exception as e:  # the stage failed: said with what the run got to, as in-process
-            return RunReport.of(outcome, error=e, held_s=clock.held_s if clock else 0.0)
+            return RunReport.of(run, error=e, held_s=clock.held_s if clock else 0.0)
         finally:
             self.pool.release(trajectory_id)
         self._rollouts.pop(key, None)
@@ -199,7 +199,7 @@ class RolloutWorker:
         except Exception as e:  # said by the head's close, as in-process
             close_error = e
         held.episode = None
-        return RunReport.of(outcome, submission=submission, held_s=clock.held_s, closed=True, close_error=close_error)
+        return RunReport.of(run, submission=submission, held_s=clock.held_s, closed=True, close_error=close_error)
 
     async def grade(self, key: str, task: str, instance: TaskInstance, submission: Submission) -> Evaluation:
         held = self._rollouts.setdefault(key, _Held())
@@ -225,10 +225,10 @@ class RolloutWorker:
         episode, held.episode = held.episode, None
         if episode is not None and held.task is not None:
             await self.envs[held.task].close(episode)
-        if held.outcome is None:
+        if held.run is None:
             return None
         recorded = held.recorded or DetachedRun()  # its recording ended with the interrupted run
-        return RunReport.of(held.outcome, spans=recorded.spans, run_attributes=recorded.attributes)
+        return RunReport.of(held.run, spans=recorded.spans, run_attributes=recorded.attributes)
 
     @contextlib.asynccontextmanager
     async def _busy(self, held: _Held):  # type: ignore[no-untyped-def]

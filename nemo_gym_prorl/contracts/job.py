@@ -32,6 +32,11 @@ class JobRequest(BaseModel):
     n: int = Field(1, ge=1, description="samples of this instance (a GRPO group)")
     job_id: str | None = None
     deadlines: Deadlines = Field(default_factory=Deadlines)
+    first_turn_fallback: bool = Field(
+        False,
+        description="a sample that ends before the model's first turn (its sandbox did not start, say) comes back "
+        "with that turn generated on the prompt alone and masked: NeMo RL needs a generated token in every result",
+    )
 
     @field_validator("job_id")
     @classmethod

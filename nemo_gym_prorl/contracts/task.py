@@ -173,3 +173,4 @@ def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 class TaskInstance(BaseModel):
     instance_id: str
     data: dict[str, Any]
+    prompt: list[dict[str, Any]] | None = Field(None, description="its first prompt, rendered once when accepted")

@@ -66,6 +66,10 @@ class Environment(ABC):
         system = [{"role": "system", "content": self.task.system_prompt}] if self.task.system_prompt else []
         return [*system, *self.task.example_messages(), {"role": "user", "content": user}]
 
+    def first_prompt(self, instance: TaskInstance) -> list[dict[str, Any]]:
+        """The instance's first prompt: as rendered when its job was accepted (``TaskInstance.prompt``), else now."""
+        return instance.prompt if instance.prompt is not None else self.prompt_messages(instance)
+
     @property
     def workspace(self) -> str:
         """Where this environment's sandboxes have their workspace (the tools' descriptions name it)."""

@@ -103,27 +103,20 @@ def gym_verify_response(row: GymRunRequest, trajectory: Trajectory, model: str) 
 
 
 async def run_row(orchestrator: Orchestrator, row: GymRunRequest) -> dict[str, Any]:
-    """One Gym row as one rollout; its verify response. A rollout that ended before the model's first turn comes
-    back with that turn generated alone and masked (``Orchestrator.with_first_turn``): a result without generated
-    tokens would end NeMo RL's training step."""
+    """One Gym row as one rollout; its verify response. It asks for ``first_turn_fallback``: a rollout that ends
+    before the model's first turn comes back with that turn generated alone and masked, since a result without
+    generated tokens would end NeMo RL's training step."""
     instance = {k: v for k, v in row.model_dump(exclude={TASK_KEY}).items() if k not in _GYM_KEYS}
-    request = JobRequest(task=row.prorl_task, instance=instance, sampling_params=row_sampling(row.responses_create_params))
+    request = JobRequest(
+        task=row.prorl_task, instance=instance, sampling_params=row_sampling(row.responses_create_params),
+        first_turn_fallback=True,
+    )  # fmt: skip
     try:
         job_id = orchestrator.submit(request)
     except RejectedJob as e:  # named as the row names it
         raise RejectedJob({"task": TASK_KEY, "instance": "row"}.get(e.field, e.field), e.message) from None
-    trajectory = (await orchestrator.wait(job_id)).results[0]
-    if not trajectory.assistant_turns() and _ended_before_the_model(trajectory):
-        trajectory = await orchestrator.with_first_turn(request, trajectory)
+    (trajectory,) = (await orchestrator.wait(job_id)).results
     return gym_verify_response(row, trajectory, orchestrator.model.name)
-
-
-def _ended_before_the_model(trajectory: Trajectory) -> bool:
-    """Its sandbox failed, or it timed out or was cancelled before the run stage: the model was never asked (a model
-    request that failed is not asked again)."""
-    if trajectory.critical_error == "init":
-        return True
-    return trajectory.critical_error in ("timeout", "cancelled") and trajectory.timing.run == 0
 
 
 async def aggregate_metrics(body: AggregateMetricsRequest) -> AggregateMetrics:

@@ -22,8 +22,8 @@ from nemo_gym_prorl.agent.turns import GenerationMode, turn_generator
 from nemo_gym_prorl.contracts.job import JobRequest, JobView
 from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance, ToolCallFormatName
-from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, Trajectory
-from nemo_gym_prorl.envs import Environment, Episode, make_environment
+from nemo_gym_prorl.contracts.trajectory import Trajectory
+from nemo_gym_prorl.envs import Environment, make_environment
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.service.pipeline import Rollout, RolloutPipeline, Stage
 from nemo_gym_prorl.service.store import JobState, JobStore, RecoveryPolicy, StoredJob
@@ -141,11 +141,10 @@ class Orchestrator:
         id_key = env.task.dataset.id_key
         instance_id = request.instance_id or str(request.instance.get(id_key or "", "")) or "instance"
         instance = TaskInstance(instance_id=instance_id, data=request.instance)
-        try:
-            env.prompt_messages(instance)
+        try:  # rendered once, here: a row that cannot be is refused, and init and the agent loop reuse it
+            return instance.model_copy(update={"prompt": env.prompt_messages(instance)})
         except ValueError as e:
             raise RejectedJob("instance", str(e)) from None
-        return instance
 
     def _start(self, job_id: str, request: JobRequest, env: Environment, instance: TaskInstance, samples: range | list[int]) -> None:
         live = self._live.setdefault(job_id, _LiveJob())
@@ -164,12 +163,16 @@ class Orchestrator:
                 rollout_env, agent = env, self._agent(env, trajectory_id, sampling)
             else:
                 rollout_env, agent = self.remote.bind(env, job_id, trajectory_id, sampling)
+            first_turn_agent = None  # a remote loop generates on its worker; a first turn alone is generated here
+            if request.first_turn_fallback:
+                first_turn_agent = agent if self.remote is None else self._agent(env, trajectory_id, sampling)
             rollout = Rollout(
                 env=rollout_env,
                 agent=agent,
                 instance=instance,
                 job_deadline_s=request.deadlines.total_s,
                 stage_deadlines_s=deadlines,
+                first_turn_agent=first_turn_agent,
             )
             rollout.trajectory.trajectory_id = trajectory_id
             rollout.done.add_done_callback(lambda f, s=sample: self._record(job_id, s, f.result()))
@@ -181,31 +184,6 @@ class Orchestrator:
 
     def _agent(self, env: Environment, trajectory_id: str, sampling: SamplingParams) -> AgentLoop:
         return make_agent_loop(env, self.model, self.pool, self.tokenizer, trajectory_id, sampling)
-
-    async def with_first_turn(self, request: JobRequest, trajectory: Trajectory) -> Trajectory:
-        """A rollout that ended before the model's first turn (its sandbox did not start, say), with that turn
-        generated on the task's first prompt alone — no sandbox, no tool run — and masked (``first_turn_only``).
-
-        NeMo RL's post-processing needs a generated token in every result: one without raises, and in sync GRPO
-        that ends the training step. A masked result it accepts and trains on none of. The turn is the policy's
-        own generation on the prompt every sample of the group starts from, so nothing in it is made up. When
-        even that turn cannot be generated, the trajectory comes back as it was, its error saying so."""
-        env = self._env(request.task)
-        instance = self._instance(env, request)
-        trajectory_id = f"{trajectory.trajectory_id}:first-turn"
-        agent = self._agent(env, trajectory_id, request.sampling_params)
-        outcome = agent.start(env, Episode(instance=instance, sandbox=None))
-        try:
-            turn = await agent.generator.generate(outcome.messages, outcome.tools or None, None)
-        except Exception as e:  # whatever it was, the result says so and goes back
-            error = f"{trajectory.error}; its first turn alone could not be generated either: {type(e).__name__}: {e}"
-            return trajectory.model_copy(update={"error": error})
-        finally:
-            self.pool.release(trajectory_id)
-        assistant = {"role": "assistant", "content": turn.text, **turn.model_dump(include=set(TOKEN_FIELDS))}
-        assistant["finish_reason"], assistant["mask"] = turn.finish_reason, True
-        assistant["first_turn_only"] = f"the rollout ended before its first turn ({trajectory.critical_error})"
-        return trajectory.model_copy(update={"messages": [*outcome.messages, assistant], "tools": outcome.tools})
 
     def _record(self, job_id: str, sample: int, trajectory: Trajectory) -> None:
         if self._closing:  # stopped by the shutdown, not finished: the job stays in flight for `recover`
@@ -254,12 +232,12 @@ class Orchestrator:
         return True
 
     async def wait(self, job_id: str) -> JobView:
-        """The job once every sample has finished."""
-        async for _ in self.stream(job_id):
-            pass
-        view = self.view(job_id)
-        assert view is not None
-        return view
+        """The job once every sample has finished: the trajectories as streamed (each parsed once), by sample."""
+        results = {sample: trajectory async for sample, trajectory in self.stream(job_id)}
+        progress = self.store.progress(job_id)
+        assert progress is not None
+        done = [results[sample] for sample in sorted(results)]
+        return JobView(job_id=job_id, state=progress.state, n=progress.n, finished=len(done), results=done)
 
     async def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]:
         """(sample, trajectory) as each finishes, starting with those already finished."""

@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from nemo_gym_prorl.agent.loop import AgentLoop, AgentOutcome
+from nemo_gym_prorl.agent.loop import AgentLoop
 from nemo_gym_prorl.contracts.task import TaskInstance
 from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.envs.base import Environment, Episode, Submission
@@ -65,8 +65,10 @@ class Rollout:
     trajectory: Trajectory = field(default=None)  # type: ignore[assignment]  # set in __post_init__
     job_deadline_s: float | None = None
     stage_deadlines_s: dict[Stage, float | None] = field(default_factory=dict)
+    # with it, a rollout that ends before its run stage gets the model's first turn alone, masked, in a run stage
+    first_turn_agent: AgentLoop | None = None
+    ended_early: tuple[str, str | None] | None = None  # (critical_error, error) of such a rollout, while it does
     episode: Episode | None = None
-    outcome: AgentOutcome | None = None
     submission: Submission | None = None
     stage_time: float = 0.0
     enqueued_at: float = 0.0
@@ -188,6 +190,8 @@ class RolloutPipeline:
         if rollout.current is not None and not rollout.current.done():
             rollout.current.cancel()  # its worker finishes it
             await asyncio.wait({rollout.done})
+        elif rollout.ended_early is not None:  # queued for its first turn alone: it ends as it was to
+            await self._finish(rollout, *self._ending(rollout, "cancelled while queued"))
         else:
             await self._finish(rollout, "cancelled", "cancelled while queued")
 
@@ -307,10 +311,16 @@ class RolloutPipeline:
                         graft(rollout.group.timed_spans(since=span.start), {"group_size": rollout.group.size})
                 elif stage == "init":
                     rollout.episode = await rollout.env.init(rollout.instance)
+                elif stage == "run" and rollout.ended_early is not None:
+                    assert rollout.first_turn_agent is not None
+                    episode = Episode(instance=rollout.instance, sandbox=None)
+                    rollout.first_turn_agent.start(rollout.env, episode, rollout.trajectory)
+                    reason = f"the rollout ended before its first turn ({rollout.ended_early[0]})"
+                    await rollout.first_turn_agent.first_turn_only(rollout.trajectory, reason)
                 elif stage == "run":
                     assert rollout.episode is not None
-                    rollout.outcome = rollout.agent.start(rollout.env, rollout.episode)
-                    await rollout.agent.run(rollout.env, rollout.episode, rollout.outcome)
+                    rollout.agent.start(rollout.env, rollout.episode, rollout.trajectory)
+                    await rollout.agent.run(rollout.env, rollout.episode, rollout.trajectory)
                     rollout.submission = await rollout.env.collect(rollout.episode)
                 else:
                     assert rollout.submission is not None
@@ -329,7 +339,7 @@ class RolloutPipeline:
     def _budget(self, stage: Stage, rollout: Rollout) -> float | None:
         limits = [rollout.stage_deadlines_s.get(stage, getattr(self.config, stage).deadline_s)]
         job_deadline = rollout.job_deadline_s if rollout.job_deadline_s is not None else self.config.job_deadline_s
-        if job_deadline is not None:
+        if job_deadline is not None and rollout.ended_early is None:  # a first turn alone has its stage's deadline
             limits.append(max(job_deadline - rollout.stage_time, 0.0))
         known = [limit for limit in limits if limit is not None]
         return min(known) if known else None
@@ -341,21 +351,26 @@ class RolloutPipeline:
         return f"the rollout ran past its job deadline during {stage} ({budget:g} s left when {stage} began)"
 
     async def _after_stage(self, stage: Stage, rollout: Rollout, task: asyncio.Task[None]) -> None:
+        if rollout.ended_early is not None:  # its first turn alone, generated or not: it ends as it was to
+            await self._finish(rollout, *self._ending(rollout, self._failure(rollout, task)))
+            return
         if task.cancelled() or rollout.cancelled:
             await self._finish(rollout, "cancelled", f"cancelled during {stage}")
             return
         error = task.exception()
         if isinstance(error, _StageTimeout):
-            await self._finish(rollout, "timeout", str(error))
+            await self._end(rollout, stage, "timeout", str(error))
         elif isinstance(error, RolloutLost) and error.rerun:
             _log.warning("rollout %s: %s; running it again", rollout.trajectory.trajectory_id, error)
             await self._close_sandbox(rollout)
-            rollout.outcome = rollout.submission = None
+            rollout.submission = None
+            t = rollout.trajectory  # the lost run's turns are not this rollout's
+            t.messages, t.tools, t.finish, t.num_tool_calls, t.num_format_errors = [], [], None, 0, 0
             rollout.run_completed = False
             self._enqueue("init", rollout)
         elif error is not None:
             detail = "".join(traceback.format_exception_only(error)).strip()
-            await self._finish(rollout, stage, detail)
+            await self._end(rollout, stage, stage, detail)
         elif stage == "init":
             self._enqueue("run", rollout)
         elif stage == "run":
@@ -367,6 +382,35 @@ class RolloutPipeline:
         else:
             await self._finish(rollout, None, None)
 
+    async def _end(self, rollout: Rollout, stage: Stage, critical_error: str, error: str) -> None:
+        """Finish a rollout its `stage` failed; one with a ``first_turn_agent`` that never reached its run stage
+        goes through one first, for that turn alone (under the run stage's deadline, traced, cancellable)."""
+        if stage != "init" or rollout.first_turn_agent is None:
+            await self._finish(rollout, critical_error, error)
+            return
+        rollout.ended_early = (critical_error, error)
+        if failure := await self._close_sandbox(rollout):  # the first turn needs no sandbox: its slot goes back now
+            rollout.ended_early = (critical_error, f"{error}; {failure}")
+        self._enqueue("run", rollout)
+
+    @staticmethod
+    def _failure(rollout: Rollout, task: asyncio.Task[None]) -> str | None:
+        if task.cancelled() or rollout.cancelled:
+            return "cancelled"
+        error = task.exception()
+        if error is None or isinstance(error, _StageTimeout):
+            return error and str(error)
+        return "".join(traceback.format_exception_only(error)).strip()
+
+    @staticmethod
+    def _ending(rollout: Rollout, first_turn_failure: str | None) -> tuple[str, str | None]:
+        """How a rollout that ended early ends: as it did, and why its first turn alone is missing, if it is."""
+        assert rollout.ended_early is not None
+        critical_error, error = rollout.ended_early
+        if first_turn_failure is not None:
+            error = f"{error}; its first turn alone could not be generated either: {first_turn_failure}"
+        return critical_error, error
+
     async def _finish(self, rollout: Rollout, critical_error: str | None, error: str | None) -> None:
         """Close the sandbox if still open and hand the trajectory over, once."""
         if rollout.finished:
@@ -377,11 +421,11 @@ class RolloutPipeline:
         t.error = error
         try:
             try:
-                self._keep_outcome(rollout)
+                self._keep_submission(rollout)
             except Exception as e:  # a bug, said in the trajectory: never a result that looks whole
-                _log.exception("rollout %s: keeping its outcome failed", t.trajectory_id)
+                _log.exception("rollout %s: keeping its submission failed", t.trajectory_id)
                 t.critical_error = t.critical_error or "run"  # type: ignore[assignment]
-                t.error = f"{t.error}; internal error keeping the outcome: {e!r}" if t.error else repr(e)
+                t.error = f"{t.error}; internal error keeping the submission: {e!r}" if t.error else repr(e)
             if failure := await self._close_sandbox(rollout):  # said, never hidden behind the first error
                 t.critical_error = t.critical_error or "eval"  # type: ignore[assignment]
                 t.error = f"{t.error}; {failure}" if t.error else failure
@@ -394,15 +438,11 @@ class RolloutPipeline:
                 rollout.done.set_result(t)
 
     @staticmethod
-    def _keep_outcome(rollout: Rollout) -> None:
-        """What the run got to (also a timed-out or cancelled one) and what grading was given, on the trajectory."""
-        t = rollout.trajectory
-        if rollout.outcome is not None:
-            outcome = rollout.outcome
-            t.messages, t.tools, t.finish = outcome.messages, outcome.tools, outcome.finish
-            t.num_tool_calls, t.num_format_errors = outcome.num_tool_calls, outcome.num_format_errors
+    def _keep_submission(rollout: Rollout) -> None:
+        """What grading was given, on the trajectory, where the environment wants it kept (the run's turns are on
+        it already: the agent loop writes them there as it goes)."""
         if rollout.submission is not None and rollout.env.keeps_submission:
-            t.submission = rollout.submission
+            rollout.trajectory.submission = rollout.submission
 
     async def _close_sandbox(self, rollout: Rollout) -> str | None:
         """Close the rollout's sandbox and give its slot back; what went wrong closing it, if anything. A caller

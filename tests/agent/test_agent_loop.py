@@ -11,7 +11,7 @@ from nemo_gym_prorl.agent.loop import AgentLoop
 from nemo_gym_prorl.agent.turns import ContextLengthExceeded, TokenInTokenOut
 from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.task import TaskInstance, load_task
-from nemo_gym_prorl.contracts.trajectory import contiguity_violation
+from nemo_gym_prorl.contracts.trajectory import Trajectory, contiguity_violation
 from nemo_gym_prorl.envs import make_environment
 from nemo_gym_prorl.envs.base import Episode
 from nemo_gym_prorl.models.tokenizer import Tokenizer
@@ -49,6 +49,16 @@ async def test_code_block_runs_in_the_sandbox_and_its_output_comes_back(math_tas
     assert model.prompts[1][: len(model.prompts[0]) + len(turns[0]["generation_token_ids"])] == (
         model.prompts[0] + turns[0]["generation_token_ids"]
     )
+
+
+async def test_the_prompt_rendered_when_accepted_is_the_one_staged_and_sent(math_task, tokenizer: Tokenizer) -> None:
+    carried = [{"role": "user", "content": "Calculate 6 * 7 (as accepted)."}]  # not what the template renders
+    instance = INSTANCE.model_copy(update={"prompt": carried})
+    model = ScriptedModel(tokenizer, ["```python\nprint(open('problem.txt').read())\n```", "\\boxed{42}"])
+    trajectory = await run_rollout(make_environment(math_task, "bwrap"), agent(tokenizer, model), instance)
+    assert trajectory.messages[0] == carried[0] and instance.prompt == carried  # each sample has its own copy
+    assert "Calculate 6 * 7 (as accepted)." in trajectory.messages[-2]["content"]  # the problem file init staged
+    assert tokenizer.decode(model.prompts[0]).count("(as accepted)") == 1
 
 
 async def test_hermes_tool_calls_and_finish(math_task, tokenizer: Tokenizer) -> None:
@@ -99,14 +109,18 @@ async def test_in_a_gym_environment_a_plain_reply_ends_the_episode_and_a_malform
     episode = Episode(instance=TaskInstance(instance_id="g1", data=row), sandbox=None)
     replies = ["<tool_call>{broken json</tool_call>", "x " * 200, "It is \\boxed{3}."]
     model = ScriptedModel(tokenizer, replies, max_tokens=50)
+    trajectory = Trajectory(instance_id="g1", trajectory_id="g1:0")
+    loop = agent(tokenizer, model, "hermes", max_turns=3)
     try:
-        outcome = await agent(tokenizer, model, "hermes", max_turns=3).run(env, episode)
+        loop.start(env, episode, trajectory)
+        await loop.run(env, episode, trajectory)
     finally:
         await env.aclose()
-    turns = [m for m in outcome.messages if m["role"] == "assistant"]
+    turns = trajectory.assistant_turns()
     assert [t.get("format_error", "")[:20] for t in turns] == ["malformed tool call ", "reply cut at the max", ""]
-    assert (outcome.finish, outcome.num_format_errors) == ("answer", 2)
-    assert outcome.messages[-1] is turns[-1] and episode.answer == replies[-1]
+    assert (trajectory.finish, trajectory.num_format_errors) == ("answer", 2)
+    assert episode.messages is trajectory.messages and trajectory.messages[-1] is turns[-1]  # what the env reads
+    assert episode.answer == replies[-1]
 
 
 async def test_context_overflow_ends_the_rollout_cleanly(math_task, tokenizer: Tokenizer) -> None:

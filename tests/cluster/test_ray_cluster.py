@@ -261,7 +261,7 @@ async def test_a_wedged_worker_is_killed_its_rollouts_run_again_and_a_new_one_ta
         jobs = [await client.submit(JobRequest(instance=ROW, n=2, job_id=f"wedged-{i}")) for i in range(2)]
         doomed = await client.submit(JobRequest(instance=ROW, job_id="wedged-cancel", deadlines=Deadlines(run_s=6)))
         [cancelled] = rollouts_of(svc, doomed)
-        await wait_until(lambda: cancelled.outcome is not None, timeout=120)  # its run call is out to its worker
+        await wait_until(lambda: cancelled.trajectory.messages, timeout=120)  # started: its run call is out to its worker
         victim = cancelled.env.worker
         pid, node = victim.info["pid"], victim.node_id
         moved = [r for job in jobs for r in rollouts_of(svc, job) if r.env.worker is victim]

@@ -54,6 +54,18 @@ def task():
     return load_task("math/arithmetic").model_copy(update={"max_turns": 2})
 
 
+class BrokenSandboxEnvironment(MathEnvironment):
+    """Staging the task fails in a sandbox that did start, as a disk or image problem does."""
+
+    async def stage(self, episode: Episode) -> None:
+        raise SandboxError("the workspace could not be written: no space left on device")
+
+
+def with_first_turn(r: Rollout) -> Rollout:
+    r.first_turn_agent = r.agent
+    return r
+
+
 async def test_a_rollout_goes_through_all_three_stages(task, tokenizer: Tokenizer) -> None:
     env = SlowMathEnvironment(task, "bwrap")
     async with RolloutPipeline(config()) as pipeline:
@@ -141,6 +153,38 @@ async def test_errors_are_classified_by_stage(task, tokenizer: Tokenizer) -> Non
     assert sandboxes_left() == []
 
 
+async def test_a_rollout_ended_in_init_gets_its_first_turn_alone_masked_when_asked(task, tokenizer: Tokenizer) -> None:
+    env = BrokenSandboxEnvironment(task, "bwrap")
+    model = ScriptedModel(tokenizer, ["\\boxed{42}"])
+    async with RolloutPipeline(config()) as pipeline:
+        asked, plain = with_first_turn(rollout(env, model)), rollout(env, ScriptedModel(tokenizer, []))
+        pipeline.submit([asked, plain])
+        results = await asyncio.gather(asked.done, plain.done)
+    for trajectory in results:  # both end as init ended them, with no reward
+        assert trajectory.critical_error == "init" and "no space left" in trajectory.error and trajectory.reward == 0
+    (turn,) = results[0].assistant_turns()  # the policy's own turn on the prompt, which no one trains on
+    assert turn["mask"] and turn["first_turn_only"] == "the rollout ended before its first turn (init)"
+    assert turn["generation_token_ids"] and turn["prompt_token_ids"] == model.prompts[0]
+    assert results[1].assistant_turns() == [] and results[1].timing.run == 0 < results[0].timing.run  # in a run stage
+    assert sandboxes_left() == []
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+async def test_a_first_turn_alone_is_cancelled_and_timed_like_any_run(task, tokenizer: Tokenizer, how: str) -> None:
+    model = BlockingModel(tokenizer)  # never released
+    async with RolloutPipeline(config(run=StageConfig(workers=2, deadline_s=0.5 if how == "deadline" else None))) as pipeline:
+        r = with_first_turn(rollout(BrokenSandboxEnvironment(task, "bwrap"), model, job_deadline_s=600))
+        pipeline.submit([r])
+        if how == "cancel":
+            await model.started.wait()
+            await pipeline.cancel(r)
+        trajectory = await r.done
+    assert trajectory.critical_error == "init" and trajectory.assistant_turns() == []
+    why = "cancelled" if how == "cancel" else "the run stage ran past its deadline of 0.5 s"
+    assert trajectory.error.endswith(f"its first turn alone could not be generated either: {why}"), trajectory.error
+    assert sandboxes_left() == []
+
+
 async def test_live_sandboxes_are_capped(task, tokenizer: Tokenizer) -> None:
     env = SlowMathEnvironment(task, "bwrap")
     model = BlockingModel(tokenizer)
@@ -180,9 +224,9 @@ async def test_a_sandbox_that_will_not_close_fails_its_rollout_not_the_worker(ta
 async def test_a_bug_handing_a_rollout_on_fails_that_rollout_not_the_worker(
     task, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bug after a stage (here: keeping the first rollout's outcome raises) used to kill the stage's worker and leave
-    its rollout's result unset: every later rollout waited forever."""
-    keep = RolloutPipeline._keep_outcome
+    """A bug after a stage (here: keeping the first rollout's submission raises) used to kill the stage's worker and
+    leave its rollout's result unset: every later rollout waited forever."""
+    keep = RolloutPipeline._keep_submission
     first: list[Rollout] = []
 
     def buggy_for_the_first(r: Rollout) -> None:
@@ -191,7 +235,7 @@ async def test_a_bug_handing_a_rollout_on_fails_that_rollout_not_the_worker(
             raise AttributeError("'SyntheticEnvironment' object has no attribute 'task'")
         keep(r)
 
-    monkeypatch.setattr(RolloutPipeline, "_keep_outcome", staticmethod(buggy_for_the_first))
+    monkeypatch.setattr(RolloutPipeline, "_keep_submission", staticmethod(buggy_for_the_first))
     env = make_environment(task, "bwrap")
     one_worker = config(init=StageConfig(workers=1), run=StageConfig(workers=1), eval=StageConfig(workers=1))
     async with RolloutPipeline(one_worker) as pipeline:

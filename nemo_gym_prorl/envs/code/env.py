@@ -75,7 +75,7 @@ class CodeEnvironment(GymRowPrompt):
     async def stage(self, episode: Episode) -> None:
         assert episode.sandbox is not None
         problem = self.problem(episode.instance)
-        await episode.sandbox.write_file("problem.md", self.prompt_messages(episode.instance)[-1]["content"].encode())
+        await episode.sandbox.write_file("problem.md", self.first_prompt(episode.instance)[-1]["content"].encode())
         suffix = ("json", "json") if problem.kind == "call" else ("in", "out")
         for i in range(min(self.settings.public_tests, len(problem.inputs))):
             await episode.sandbox.write_file(f"tests/{i}.{suffix[0]}", problem.inputs[i].encode())

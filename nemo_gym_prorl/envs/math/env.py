@@ -190,7 +190,7 @@ def grade_answer(answer: str | None, expected: str) -> Evaluation:
 
 class MathEnvironment(Environment):
     async def stage(self, episode: Episode) -> None:
-        problem = self.prompt_messages(episode.instance)[-1]["content"]
+        problem = self.first_prompt(episode.instance)[-1]["content"]
         await episode.sandbox.write_file("problem.txt", problem.encode())
 
     async def grade(self, instance: TaskInstance, submission: Submission) -> Evaluation:

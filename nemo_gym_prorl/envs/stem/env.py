@@ -97,7 +97,7 @@ class StemEnvironment(GymRowPrompt):
 
     async def stage(self, episode: Episode) -> None:
         assert episode.sandbox is not None
-        problem = self.prompt_messages(episode.instance)[-1]["content"]
+        problem = self.first_prompt(episode.instance)[-1]["content"]
         await episode.sandbox.write_file("problem.md", str(problem).encode())
 
     async def grade(self, instance: TaskInstance, submission: Submission) -> Evaluation:
