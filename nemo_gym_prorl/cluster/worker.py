@@ -177,8 +177,9 @@ class RolloutWorker:
         assert held.episode is not None and self.pool is not None
         env = self.envs[task]
         agent = make_agent_loop(env, self.spec.model, self.pool, self.tokenizer, trajectory_id, sampling)
-        run = held.run = Trajectory(instance_id=held.episode.instance.instance_id, trajectory_id=trajectory_id)
+        run = Trajectory(instance_id=held.episode.instance.instance_id, trajectory_id=trajectory_id)
         agent.start(env, held.episode, run)
+        held.run = run  # once started: a close reports what it got to
         clock: StageClock | None = None
         try:
             async with self._busy(held), asyncio.timeout(budget_s) as timeout:
