@@ -1,10 +1,11 @@
-"""Our sandboxed code grading against NeMo Gym code_gen's own verifier (LiveCodeBench's check_correctness, run
-in-process as Gym runs it) on Gym's example rows and rollouts and on programs made from them. Prints the figures;
-docs/code-and-stem.md states them."""
+"""Our sandboxed code grading against NeMo Gym code_gen's own verifier (LiveCodeBench's check_correctness, run in
+a process of its own as Gym's server runs it) on Gym's example rows and rollouts and on programs made from them.
+Prints the figures; docs/code-and-stem.md states them."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,13 +15,29 @@ from nemo_gym_prorl.envs.code.cases import problem_from_row
 from nemo_gym_prorl.envs.code.grading import GradingSettings, grade_programs
 
 DATA = Path(code_gen.__path__[0]) / "data"
-# Gym's server imports its lcb_integration package from its own folder; that folder is on sys.path only while it is
-# imported: it also holds a `tests` package, which would shadow ours for every test module collected after this one.
-sys.path.insert(0, code_gen.__path__[0])
-try:
-    from lcb_integration.compute_code_generation_metrics import check_correctness
-finally:
-    sys.path.remove(code_gen.__path__[0])
+# Gym's verifier forks a multiprocessing Manager and a worker per program. Forked from the test process after the
+# suite's earlier tests (their threads still in it), the Manager died at start in CI (EOFError); so it runs as in
+# Gym's server, in an interpreter of its own, its server folder on sys.path (it imports lcb_integration from there).
+GYMS_VERIFIER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from lcb_integration.compute_code_generation_metrics import check_correctness
+for case in map(json.loads, sys.stdin):
+    results, _ = check_correctness({"input_output": json.dumps(case["unit_tests"])}, case["code"], 10, debug=False)
+    print("verdict", json.dumps(all(r is True for r in results)), flush=True)
+"""
+
+
+def gyms_rewards(cases: list[tuple[str, dict, str]]) -> list[float]:
+    lines = "".join(json.dumps({"unit_tests": row["verifier_metadata"]["unit_tests"], "code": code}) + "\n"
+                    for _, row, code in cases)
+    done = subprocess.run([sys.executable, "-c", GYMS_VERIFIER, code_gen.__path__[0]], input=lines,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # only the verdict lines: a program under test prints too
+    rewards = [1.0 if line == "verdict true" else 0.0 for line in done.stdout.splitlines() if line.startswith("verdict ")]
+    assert len(rewards) == len(cases), done.stdout
+    return rewards
 
 
 def _prompt(row: dict) -> str:
@@ -47,10 +64,7 @@ async def test_agreement_with_gym_code_gen_verifier() -> None:
     cases = _cases()
     ours = await grade_programs([(problem_from_row(row), code) for _, row, code in cases], GradingSettings(timeout_s=10))
     disagreements = []
-    for (what, row, code), evaluation in zip(cases, ours):
-        results, _ = check_correctness({"input_output": json.dumps(row["verifier_metadata"]["unit_tests"])}, code, 10,
-                                       debug=False)
-        gyms = 1.0 if all(r is True for r in results) else 0.0
+    for (what, _, _), evaluation, gyms in zip(cases, ours, gyms_rewards(cases)):
         if evaluation.reward != gyms:
             disagreements.append((what, evaluation.reward, gyms, evaluation.details))
     print(f"\ncode agreement with Gym's code_gen verifier: {len(cases) - len(disagreements)}/{len(cases)}")
