@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from nemo_gym_prorl.contracts.task import TaskConfig
 from nemo_gym_prorl.contracts.trajectory import Reverification, Trajectory
-from nemo_gym_prorl.envs import Environment, make_environment
+from nemo_gym_prorl.envs import Environment, environment_class, make_environment
 from nemo_gym_prorl.envs.dataset import load_instances
 from nemo_gym_prorl.launch.job import TaskChoice
 from nemo_gym_prorl.launch.runtime import SandboxConfig
@@ -92,7 +92,7 @@ class Regrader:
     """Grades trajectories of one task again, `concurrency` at a time."""
 
     def __init__(self, task: TaskConfig, sandbox_backend: str, concurrency: int) -> None:
-        if task.type == "gym":
+        if not environment_class(task.type).keeps_submission:  # a Gym task: its server grades its live session
             raise ReverifyError(
                 f"task {task.name!r} is graded by a NeMo Gym resources server against the live session it seeded: its "
                 "rollouts cannot be graded again from a file"

@@ -14,8 +14,10 @@ import yaml
 from conftest import TEST_N_CTX
 from standin_helpers import running_standin
 
+from nemo_gym_prorl.contracts.task import load_task
 from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.models.launcher import LocalModelServer
+from nemo_gym_prorl.reverify import Regrader, ReverifyError
 
 PRORL = [str(Path(sys.executable).with_name("prorl"))]
 
@@ -139,3 +141,10 @@ def test_what_cannot_be_graded_again_is_one_line(tmp_path: Path) -> None:
     ], result.stderr
     result = prorl("reverify", str(broken), cwd=tmp_path, timeout=60)  # no record beside it names the task
     assert result.returncode == 2 and "give task=NAME" in result.stderr, result.stderr
+
+
+def test_a_task_its_gym_server_grades_is_refused_before_anything_loads() -> None:
+    """A Gym task's reward comes from its server's live session, which no file holds: refused, not graded wrong."""
+    gym_task = load_task("math/arithmetic").model_copy(update={"type": "gym", "resources_server_url": "http://127.0.0.1:9"})
+    with pytest.raises(ReverifyError, match="graded by a NeMo Gym resources server"):
+        Regrader(gym_task, "bwrap", concurrency=1)
