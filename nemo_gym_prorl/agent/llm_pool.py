@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import ipaddress
 import logging
 import random
+import re
 from collections import OrderedDict
 from collections.abc import Iterable
 from types import TracebackType
@@ -77,17 +79,30 @@ class _Transient(Exception):
     """An attempt failed in a way another attempt may not (a 5xx, a 429, a body that is not JSON)."""
 
 
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?")
+
+
+def _is_host(host: str) -> bool:
+    """An IP address or a DNS name (underscores allowed, as container and Slurm host names have them)."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        labels = host.removesuffix(".").split(".")
+        return bool(host) and all(len(label) <= 63 and _HOST_LABEL.fullmatch(label) for label in labels)
+
+
 def normalize_address(address: str) -> str:
-    """``host:port``, ``http://host:port`` or ``http://host:port/v1/`` → ``http://host:port/v1``."""
-    base = address.strip().rstrip("/")
-    if "://" not in base:
-        base = "http://" + base
+    """``host:port``, ``http://host:port`` or ``http://host:port/v1/`` → ``http://host:port/v1``; anything that is
+    not such an address (``not a url``, ``http://``) is a ValueError."""
+    text = address.strip()
+    base = (text if "://" in text else "http://" + text).rstrip("/")
     try:
         url = httpx.URL(base)
     except httpx.InvalidURL as e:
         raise ValueError(f"not a model server address: {address!r} ({e})") from e
-    if url.scheme not in ("http", "https") or not url.host:
-        raise ValueError(f"not an http(s) model server address: {address!r}")
+    if url.scheme not in ("http", "https") or not _is_host(url.host) or not 0 < (url.port or 80) < 65536:
+        raise ValueError(f"not an http(s) model server address (http://HOST:PORT[/v1]): {address!r}")
     return base if base.endswith("/v1") else base + "/v1"
 
 

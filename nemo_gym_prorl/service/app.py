@@ -107,6 +107,9 @@ def create_app(orchestrator: Orchestrator, token: str | None = None, max_body_by
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
+        if first["type"] == "json_invalid":  # not a request to check field by field: a body that is no JSON
+            offset = first["loc"][1] if len(first["loc"]) > 1 else 0
+            return _error(400, f"malformed JSON body at byte {offset}: {first.get('ctx', {}).get('error', first['msg'])}")
         field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
         return _error(422, f"{field}: {first['msg']}", field)
 

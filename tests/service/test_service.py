@@ -77,6 +77,13 @@ async def test_prorl_endpoints(instant_model: str, tmp_path: Path) -> None:
         bad = await http.post("/add_llm_server", json={"addresses": ["127.0.0.1:4", "ftp://x"], "replace": True})
         assert bad.status_code == 422 and bad.json()["error"]["field"] == "addresses"
         assert len((await http.get("/status")).json()["llm_backends"]) == 2  # checked before anything changed
+        for address in ("not a url", "http://", "gpu node:8000"):  # registered as healthy, before
+            bad = await http.post("/add_llm_server", json={"address": address})
+            assert bad.status_code == 422 and bad.json()["error"]["field"] == "address", bad.text
+        assert len((await http.get("/status")).json()["llm_backends"]) == 2
+        for route in ("/process", "/jobs", "/add_llm_server"):  # a body that is no JSON is a bad request, not a field
+            bad = await http.post(route, content=b'{"instance": {', headers={"content-type": "application/json"})
+            assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("malformed JSON body"), bad.text
         assert (await http.post("/add_llm_server", json={"model": "m"})).status_code == 422
         assert (await http.post("/clear_llm_server")).json() == {"backends": []}
         assert (await http.post("/cancel", json={"job_id": "nope"})).status_code == 404
