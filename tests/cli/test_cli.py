@@ -83,6 +83,8 @@ def test_help_lists_config_groups_and_options(command: str, groups: dict[str, st
     assert all(option in listed.get(group, "").split(", ") for group, option in groups.items()), result.stdout
     assert all(option in result.stdout for option in options), result.stdout
     assert "grpo" not in listed, result.stdout  # NeMo RL's recipes are not a config group of ours
+    # a task folder's options are the task group's (task=code/humaneval), not a group inviting task/code=humaneval
+    assert "code/humaneval" in listed["task"].split(", ") and not [g for g in listed if "/" in g], result.stdout
 
 
 HEAVY = ["nemo_gym", "nemo_gym_prorl.envs.base", "nemo_gym_prorl.tools", "nemo_gym_prorl.launch.job", "swebench"]
@@ -210,7 +212,8 @@ def test_bad_overrides_stop_at_once_with_one_line(args: list[str], message: str,
 @pytest.mark.parametrize(
     ("yaml_text", "message"),
     [
-        ("name: x\ntype: math\ndataset: {path: missing.jsonl}\nprompt_template: '{q}'\ntools: [bash]\n", "missing.jsonl does not exist"),
+        ("name: x\ntype: math\ndataset: {path: missing.jsonl}\nprompt_template: '{q}'\ntools: [bash]\n", "field 'dataset.path': no file"),
+        ("name: x\ntype: stem\ndataset: {path: d.jsonl}\nverifier: {rel_tl: 0.02}\n", "field 'verifier.rel_tl': unknown key"),
         ("name: x\n  type: [math\n", "is not valid YAML at line 2"),
         ("name: x\ntype: chess\ndataset: {path: d.jsonl}\nprompt_template: q\ntools: []\n", "field 'type'"),
     ],
@@ -218,6 +221,7 @@ def test_bad_overrides_stop_at_once_with_one_line(args: list[str], message: str,
 def test_bad_task_files_stop_at_once_naming_the_problem(yaml_text: str, message: str, tmp_path: Path) -> None:
     task = tmp_path / "task.yaml"
     task.write_text(yaml_text)
+    (tmp_path / "d.jsonl").write_text('{"question": "Calculate 1 + 1.", "answer": "2"}\n')
     result = prorl("rollout", f"task.name={task}", f"output={tmp_path / 'out.jsonl'}", cwd=tmp_path)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert message in result.stderr

@@ -49,7 +49,7 @@ def test_the_shipped_training_task_is_arithmetic_with_more_rows() -> None:
          "field 'examples': Value error, examples must alternate user, assistant"),
         ("extends: math/arithmetic\nname: x\nexamples: [{role: user, content: hi, name: me}]\n",
          "field 'examples.0.name'"),
-        ("extends: math/arithmetic\nname: x\nmax_turn: 3\n", "field 'max_turn': Extra inputs are not permitted"),
+        ("extends: math/arithmetic\nname: x\nmax_turn: 3\n", "field 'max_turn': unknown key; known: name, type"),
         ("extends: math/arithmetic\nname: x\ndataset: {id_col: id}\n", "field 'dataset.id_col'"),
         ("extends: math/arithmetic\nname: x\nlimits: {memory_gb: 1}\n", "field 'limits.memory_gb'"),
     ],

@@ -165,6 +165,7 @@ async def test_a_sandbox_killed_mid_run_ends_the_rollout_as_a_run_failure(tmp_pa
         ({"instance": ROW, "n": -1}, 422, "n"),
         ({"instance": ROW, "n": 10**6}, 422, "n"),
         ({"instance": {"id": "x"}}, 422, "instance"),
+        ({"instance": {"id": "x", "question": "Calculate 1 + 1."}}, 422, "verifier.answer_key"),  # graded on it
         ({"instance": ROW, "sampling_params": {"temperature": "hot"}}, 422, "sampling_params.temperature"),
         ({"instance": ROW, "surprise": 1}, 422, "surprise"),
         ({"instance": ROW, "job_id": "no spaces allowed"}, 422, "job_id"),
@@ -182,7 +183,7 @@ async def test_malformed_oversized_duplicate_and_unauthorized_requests(instant_m
     async with service(instant_model, tmp_path, token="s3cret", max_body_bytes=4096) as svc:
         async with httpx.AsyncClient(base_url=svc.url, headers={"authorization": "Bearer s3cret"}) as http:
             bad_json = await http.post("/jobs", content=b"{not json", headers={"content-type": "application/json"})
-            assert bad_json.status_code == 422
+            assert bad_json.status_code == 400 and "malformed JSON body at byte 1" in bad_json.json()["error"]["message"]
             huge = await http.post("/jobs", json={"instance": {"question": "x" * 10_000}})
             assert huge.status_code == 413
             assert (await http.post("/jobs", json={"instance": ROW, "job_id": "j1"})).status_code == 202

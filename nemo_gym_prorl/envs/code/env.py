@@ -15,11 +15,11 @@ import posixpath
 import re
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from nemo_gym_prorl.contracts.sandbox import WORKSPACE, SandboxError
-from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance
-from nemo_gym_prorl.envs.base import Episode, Evaluation, Submission
+from nemo_gym_prorl.contracts.task import TaskInstance
+from nemo_gym_prorl.envs.base import Episode, Evaluation, Probe, RowError, Submission
 from nemo_gym_prorl.envs.code.cases import CodeProblem, final_code_block, problem_from_row
 from nemo_gym_prorl.envs.code.grading import GradingSettings, grade_program
 from nemo_gym_prorl.envs.row_prompt import GymRowPrompt
@@ -59,12 +59,25 @@ class CodeEnvironment(GymRowPrompt):
     # Gym's code rows are answered by a reply holding the program, so a reply without a tool call is the answer.
     plain_reply_ends_episode = True
 
-    def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap") -> None:
-        super().__init__(task, sandbox_backend)
+    Settings = CodeVerifierSettings
+
+    def check_row(self, instance: TaskInstance) -> None:
+        super().check_row(instance)
         try:
-            self.settings = CodeVerifierSettings.model_validate(task.verifier)
-        except ValidationError as e:
-            raise ValueError(f"task {task.name!r}: verifier settings: {e.errors()[0]['msg']}") from None
+            problem_from_row(instance.data)
+        except ValueError as e:
+            raise RowError(None, str(e)) from None
+
+    def probes(self, instance: TaskInstance) -> list[Probe]:
+        """No program (0) and one that does nothing (0); a row's reference solution (HumanEval's
+        ``canonical_solution``, completing its ``prompt``), where it has one, must pass (1)."""
+        probes = [Probe("empty", {"code": "", "source": "probe"}, 0.0),
+                  Probe("does nothing", {"code": "pass\n", "source": "probe"}, 0.0)]  # fmt: skip
+        solution = instance.data.get("canonical_solution")
+        if solution:
+            code = str(instance.data.get("prompt") or "") + str(solution)
+            probes.insert(0, Probe("gold", {"code": code, "source": "probe"}, 1.0))
+        return probes
 
     def problem(self, instance: TaskInstance) -> CodeProblem:
         try:

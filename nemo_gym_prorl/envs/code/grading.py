@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_gym_prorl.envs.base import Evaluation
 from nemo_gym_prorl.envs.code.cases import CodeProblem, output_lines, output_mismatch, value_mismatch
@@ -36,6 +36,8 @@ TestStatus = Literal["passed", "wrong_answer", "timeout", "runtime_error", "outp
 
 class GradingSettings(BaseModel):
     """A task's `verifier:` settings for code."""
+
+    model_config = ConfigDict(extra="forbid")
 
     timeout_s: float = Field(6.0, gt=0, description="wall-clock limit per test")
     output_cap_bytes: int = Field(8 << 20, gt=0, description="largest stdout a test may write")

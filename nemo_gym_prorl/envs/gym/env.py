@@ -20,7 +20,7 @@ from nemo_gym.responses_converter import ResponsesConverter
 from pydantic import ValidationError
 
 from nemo_gym_prorl.contracts.responses import gym_output_items
-from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance
+from nemo_gym_prorl.contracts.task import TaskConfig, TaskConfigError, TaskInstance
 from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Submission
 from nemo_gym_prorl.json_http import JsonHttp
 from nemo_gym_prorl.tool_calls import ToolCall
@@ -92,7 +92,7 @@ class GymResourcesEnvironment(Environment):
 
     def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap") -> None:
         if not task.resources_server_url:
-            raise ValueError(f"task {task.name!r}: a gym task needs resources_server_url")
+            raise TaskConfigError(f"{task.origin}: field 'resources_server_url': a gym task needs its server's URL")
         super().__init__(task, sandbox_backend)
         self.url = task.resources_server_url.rstrip("/")
         self.http = JsonHttp(timeout_s=task.tool_timeout_s + 30, keepalive_s=GYM_SERVER_KEEPALIVE_S / 2)

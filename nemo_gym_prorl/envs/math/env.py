@@ -24,9 +24,10 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_gym_prorl.contracts.task import TaskInstance
-from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Submission
+from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Probe, RowError, Submission
 
 TIMEOUT_S = 5
 _GOLD_CONFIG = [LatexExtractionConfig()]
@@ -188,13 +189,34 @@ def grade_answer(answer: str | None, expected: str) -> Evaluation:
     return Evaluation.model_validate(_WORKER_POOL.run(answer, expected))
 
 
+class MathSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    answer_key: str = Field("answer", description="the column of the gold answer")
+
+
+def answer_probes(gold: str) -> list[Probe]:
+    """The gold answer boxed (1), nothing (0) and the gold plus one, an expression that is never it (0)."""
+    return [Probe("gold", {"answer": f"\\boxed{{{gold}}}"}, 1.0), Probe("empty", {"answer": ""}, 0.0),
+            Probe("gold + 1", {"answer": f"\\boxed{{{gold} + 1}}"}, 0.0)]  # fmt: skip
+
+
 class MathEnvironment(Environment):
+    Settings = MathSettings
+
+    def check_row(self, instance: TaskInstance) -> None:
+        super().check_row(instance)
+        if instance.data.get(self.settings.answer_key) is None:
+            raise RowError("verifier.answer_key", f"no column {self.settings.answer_key!r} in the row")
+
+    def probes(self, instance: TaskInstance) -> list[Probe]:
+        return answer_probes(str(instance.data[self.settings.answer_key]))
+
     async def stage(self, episode: Episode) -> None:
         problem = self.first_prompt(episode.instance)[-1]["content"]
         await episode.sandbox.write_file("problem.txt", problem.encode())
 
     async def grade(self, instance: TaskInstance, submission: Submission) -> Evaluation:
-        column = self.task.verifier.get("answer_key", "answer")
+        column = self.settings.answer_key
         # On the event loop's thread: its main thread in our services, where math-verify's own limits hold.
         with gold_named(self.task.name, instance.instance_id, column):
             return grade_answer(submission.get("answer"), str(instance.data[column]))

@@ -13,24 +13,41 @@ reply's reasoning trace (``<think>...</think>``, `strip_reasoning`): nothing ins
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, get_args
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance
-from nemo_gym_prorl.envs.base import Episode, Evaluation, Submission
-from nemo_gym_prorl.envs.math.env import gold_named, grade_answer, strip_reasoning
+from nemo_gym_prorl.contracts.task import TaskInstance
+from nemo_gym_prorl.envs.base import Episode, Evaluation, Probe, RowError, Submission
+from nemo_gym_prorl.envs.math.env import answer_probes, gold_named, grade_answer, strip_reasoning
 from nemo_gym_prorl.envs.row_prompt import GymRowPrompt
-from nemo_gym_prorl.envs.stem.mcqa import GradingMode, last_boxed, read_choice
+from nemo_gym_prorl.envs.stem.mcqa import GradingMode, last_boxed, option_letters, read_choice
 from nemo_gym_prorl.envs.stem.units import UnitParseError, compare_quantities, parse_quantity
 
 _ANSWER_LINE = re.compile(r"answer\s*(?:is)?\s*:?\s*(.+)", re.IGNORECASE)
 
 
 class StemVerifierSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     grading_mode: GradingMode | None = Field(None, description="multiple choice: overrides each row's grading_mode")
     answer_key: str = Field("answer", description="column of the gold answer of non-multiple-choice rows")
     rel_tol: float = Field(1e-2, gt=0, description="relative tolerance of numeric answers; a row's rel_tol wins")
+
+
+def is_choice_row(row: dict[str, Any]) -> bool:
+    return bool(row.get("options") and row.get("expected_answer"))
+
+
+def choice_reply(letter: str) -> str:
+    """A reply choosing `letter` in every form the grading modes read (`prorl task check`'s probes)."""
+    return f"<choice>{letter}</choice>\nAnswer: {letter}\n\\boxed{{{letter}}}"
+
+
+def _positive_number(value: Any) -> bool:
+    try:
+        return float(value) > 0
+    except (TypeError, ValueError):
+        return False
 
 
 def final_answer(text: str) -> str:
@@ -88,12 +105,41 @@ class StemEnvironment(GymRowPrompt):
     # Gym's mcqa rows are answered by a plain reply; so is ours (a tool call is needed only to compute).
     plain_reply_ends_episode = True
 
-    def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap") -> None:
-        super().__init__(task, sandbox_backend)
+    Settings = StemVerifierSettings
+
+    def check_row(self, instance: TaskInstance) -> None:
+        super().check_row(instance)
+        row = instance.data
+        if is_choice_row(row):
+            letters = option_letters(row["options"])
+            if str(row["expected_answer"]).strip().upper() not in letters:
+                raise RowError(None, f"column 'expected_answer': {row['expected_answer']!r} is none of the options' "
+                               f"letters ({', '.join(letters)})")  # fmt: skip
+            mode = self.settings.grading_mode or row.get("grading_mode")
+            if mode is not None and mode not in get_args(GradingMode):
+                raise RowError(None, f"column 'grading_mode': expected one of {', '.join(get_args(GradingMode))}, "
+                               f"got {mode!r}")  # fmt: skip
+            return
+        if row.get(self.settings.answer_key) is None:
+            raise RowError("verifier.answer_key", f"no column {self.settings.answer_key!r} in the row (nor options "
+                           "with an expected_answer)")  # fmt: skip
+        if row.get("rel_tol") is not None and not _positive_number(row["rel_tol"]):
+            raise RowError(None, f"column 'rel_tol': expected a positive number, got {row['rel_tol']!r}")
+
+    def probes(self, instance: TaskInstance) -> list[Probe]:
+        row = instance.data
+        if is_choice_row(row):
+            expected = str(row["expected_answer"]).strip().upper()
+            other = next(letter for letter in option_letters(row["options"]) if letter != expected)
+            return [Probe("gold", {"answer": choice_reply(expected)}, 1.0), Probe("empty", {"answer": ""}, 0.0),
+                    Probe(f"option {other}", {"answer": choice_reply(other)}, 0.0)]  # fmt: skip
+        gold = str(row[self.settings.answer_key])
         try:
-            self.settings = StemVerifierSettings.model_validate(task.verifier)
-        except ValidationError as e:
-            raise ValueError(f"task {task.name!r}: verifier settings: {e.errors()[0]['msg']}") from None
+            quantity = parse_quantity(gold)
+        except UnitParseError:
+            return answer_probes(gold)
+        off = quantity + (abs(quantity) if quantity.magnitude else 1 * quantity.units)  # 2x, or 0 for a negative
+        return [*answer_probes(gold), Probe("off by 100%", {"answer": f"\\boxed{{{off:~}}}"}, 0.0)]
 
     async def stage(self, episode: Episode) -> None:
         assert episode.sandbox is not None
@@ -105,7 +151,7 @@ class StemEnvironment(GymRowPrompt):
         if text is None or not str(text).strip():
             return Evaluation(reward=0.0, resolved=False, details={"reason": "no answer submitted"})
         text = str(text)
-        if row.get("options") and row.get("expected_answer"):
+        if is_choice_row(row):
             mode = self.settings.grading_mode or row.get("grading_mode") or "strict_single_letter_boxed"
             return grade_choice(text, row, mode)
         if self.settings.answer_key not in row:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance
-from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Submission
+from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Probe, Submission
 from nemo_gym_prorl.envs.swe import repo as swe_repo
 from nemo_gym_prorl.envs.swe.images import resolve_image
 from nemo_gym_prorl.envs.swe.rows import RowFormat, SweRow, SweRowError, parse_row
@@ -50,12 +50,10 @@ class SweSettings(BaseModel):
 
 
 class SweEnvironment(Environment):
+    Settings = SweSettings
+
     def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap") -> None:
         super().__init__(task, sandbox_backend)
-        try:
-            self.settings = SweSettings.model_validate(task.verifier)
-        except ValidationError as e:
-            raise ValueError(f"task {task.name!r}: verifier settings: {e}") from None
         self.base_dir = task.dataset.path.parent
 
     @property
@@ -74,6 +72,11 @@ class SweEnvironment(Environment):
         except ValueError as e:
             raise SweRowError(f"row {row.instance_id}: field 'repo_source': {e}") from None
         return row
+
+    def probes(self, instance: TaskInstance) -> list[Probe]:
+        """The gold patch resolves (1); an empty one does not (0; graded without tests unless skip_empty_patch is
+        false, as `prorl swe check` sets it)."""
+        return [Probe("gold", {"patch": instance.data.get("patch") or ""}, 1.0), Probe("empty", {"patch": ""}, 0.0)]
 
     def prompt_messages(self, instance: TaskInstance) -> list[dict[str, Any]]:
         row = self.row(instance)
