@@ -53,6 +53,13 @@ class Reverification(BaseModel):
     skipped: str | None = Field(None, description="why it was not graded again (the old grade stands)")
 
 
+def grpo_group(trajectory_id: str, instance_id: str) -> tuple[str, str | None]:
+    """(group, sample) of a trajectory: a job is one instance's n samples, its GRPO group, and the service names
+    each trajectory JOBID:SAMPLE; an id of another shape is its instance's group, with no sample number."""
+    job, colon, sample = trajectory_id.rpartition(":")
+    return (job, sample) if colon else (instance_id, None)
+
+
 class Trajectory(BaseModel):
     instance_id: str
     trajectory_id: str

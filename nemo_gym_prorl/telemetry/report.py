@@ -1,9 +1,16 @@
-"""What a rollout run shows and keeps: one JSON line per trajectory as it finishes, a progress bar, a summary."""
+"""What a rollout run shows and keeps: one JSON line per trajectory as it finishes, a progress bar, a summary.
+
+The summary ends with the output path and the command that opens it, printed whole: rich cuts a table to 80
+columns when stdout is not a terminal (make, CI, logs), and a cut path cannot be copied. Runs of GRPO groups say
+how many groups have a reward spread, since GRPO learns nothing from a group whose rewards are all equal.
+"""
 
 from __future__ import annotations
 
+import shlex
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -13,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from nemo_gym_prorl.contracts.trajectory import Trajectory
+from nemo_gym_prorl.contracts.trajectory import Trajectory, grpo_group
 
 _STAGES = ("init", "run", "eval")
 
@@ -92,6 +99,7 @@ class RolloutReport:
         return [
             ("rollouts", str(len(trajectories))),
             ("mean reward", f"{self.mean('reward'):.3f}"),
+            *self._group_rows(),
             ("resolved", f"{sum(t.resolved for t in trajectories)} ({sum(t.resolved for t in trajectories) / n:.0%})"),
             *self._patch_rows(),
             ("mean turns", f"{sum(turns) / n:.2f}"),
@@ -102,7 +110,29 @@ class RolloutReport:
             ("generated tokens", str(generated)),
             ("tokens/s", f"{generated / self.wall_s:.1f}" if self.wall_s else "-"),
             ("wall time", f"{self.wall_s:.1f} s"),
-            ("output", str(self.output)),
+        ]
+
+    def _group_rows(self) -> list[tuple[str, str]]:
+        """Only when some group holds more than one sample: the groups' sizes, how many have a reward spread, and
+        the mean over groups of the group's mean reward ± the mean within-group (population) std."""
+        groups: dict[str, list[float]] = {}
+        for t in self.trajectories:
+            groups.setdefault(grpo_group(t.trajectory_id, t.instance_id)[0], []).append(t.reward)
+        if all(len(rewards) < 2 for rewards in groups.values()):
+            return []
+        rewards = list(groups.values())
+        sizes = Counter(len(r) for r in rewards)
+        if len(sizes) == 1:
+            shape = f"{len(rewards)} × {next(iter(sizes))}"
+        else:
+            shape = f"{len(rewards)} ({', '.join(f'{n} × {size}' for size, n in sorted(sizes.items(), reverse=True))})"
+        spread = sum(max(r) != min(r) for r in rewards)
+        mean = statistics.fmean(statistics.fmean(r) for r in rewards)
+        std = statistics.fmean(statistics.pstdev(r) for r in rewards)
+        return [
+            ("GRPO groups", shape),
+            ("groups with reward spread", f"{spread} of {len(rewards)} ({spread / len(rewards):.0%})"),
+            ("group mean reward ± mean group std", f"{mean:.3f} ± {std:.3f}"),
         ]
 
     def _patch_rows(self) -> list[tuple[str, str]]:
@@ -118,9 +148,14 @@ class RolloutReport:
         return rows
 
     def print_summary(self, console: Console | None = None) -> None:
+        """The table, then where the rollouts are and how to open them, on lines of their own never wrapped or cut."""
+        console = console or Console()
         table = Table(title=f"prorl rollout: {self.title}")
         table.add_column("metric")
         table.add_column("value", justify="right")
         for name, value in self.summary_rows():
             table.add_row(name, value)
-        (console or Console()).print(table)
+        console.print(table)
+        output = self.output.absolute()
+        for line in (f"rollouts: {output}", f"view them: prorl view {shlex.quote(str(output))}"):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)

@@ -17,6 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from nemo_gym_prorl.contracts.trajectory import grpo_group
+
 STAGES = ("queued", "init", "run", "eval")
 _OBSERVATION = re.compile(r"^Observation \(([^)]*)\):\n", re.DOTALL)  # codeact tool results come as user messages
 _GYM_STAGE_KEYS = {stage: f"{stage}_time_s" for stage in STAGES}
@@ -81,7 +83,7 @@ def summarize(index: int, row: dict[str, Any], task: str | None = None) -> Summa
             "(responses_create_params, response)"
         )
     trajectory_id = str(row["trajectory_id"])
-    job, colon, sample = trajectory_id.rpartition(":")
+    group, sample = grpo_group(trajectory_id, str(row["instance_id"]))
     turns = sum(1 for m in row.get("messages") or [] if m.get("role") == "assistant" and "generation_token_ids" in m)
     regraded = row.get("reverify") if isinstance(row.get("reverify"), dict) else {}
     return Summary(
@@ -89,8 +91,8 @@ def summarize(index: int, row: dict[str, Any], task: str | None = None) -> Summa
         trajectory_id=trajectory_id,
         instance_id=str(row["instance_id"]),
         task=row.get("task") or task,
-        group=job if colon else str(row["instance_id"]),  # a job is one instance's n samples: its GRPO group
-        sample=int(sample) if colon and sample.isdigit() else None,
+        group=group,
+        sample=int(sample) if sample is not None and sample.isdigit() else None,
         reward=_number(row.get("reward")),
         resolved=bool(row.get("resolved")),
         finish=row.get("finish"),
