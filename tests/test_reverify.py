@@ -145,6 +145,6 @@ def test_what_cannot_be_graded_again_is_one_line(tmp_path: Path) -> None:
 
 def test_a_task_its_gym_server_grades_is_refused_before_anything_loads() -> None:
     """A Gym task's reward comes from its server's live session, which no file holds: refused, not graded wrong."""
-    gym_task = load_task("math/arithmetic").model_copy(update={"type": "gym", "resources_server_url": "http://127.0.0.1:9"})
+    gym_task = load_task("math/arithmetic").model_copy(update={"type": "gym", "resources_server_url": "http://127.0.0.1:9", "verifier": {}})
     with pytest.raises(ReverifyError, match="graded by a NeMo Gym resources server"):
         Regrader(gym_task, "bwrap", concurrency=1)

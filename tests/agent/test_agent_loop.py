@@ -103,7 +103,7 @@ async def test_in_a_gym_environment_a_plain_reply_ends_the_episode_and_a_malform
 ) -> None:
     # No reply here calls a tool, so the resources server (port 9, discard) is never contacted; the loop runs on a
     # hand-made episode, as a seeded Gym session would give it.
-    task = math_task.model_copy(update={"type": "gym", "resources_server_url": "http://127.0.0.1:9"})
+    task = math_task.model_copy(update={"type": "gym", "resources_server_url": "http://127.0.0.1:9", "verifier": {}})
     env = make_environment(task, "bwrap")
     row = {"responses_create_params": {"input": [{"role": "user", "content": "What is 1 + 2?"}], "tools": []}}
     episode = Episode(instance=TaskInstance(instance_id="g1", data=row), sandbox=None)

@@ -123,6 +123,9 @@ def test_sweep_writes_each_run_with_its_resolved_config(standin_model: list[str]
         assert trajectory.critical_error is None, trajectory.error
     seeds = [yaml.safe_load(r.with_name("rollouts.config.yaml").read_text())["config"]["seed"] for r in results]
     assert sorted(seeds) == [3, 4]
+    roll_up = result.stdout.split("prorl rollout -m: 2 runs")[1]  # after the sweep: a row per run, its file whole
+    assert all(f"seed={seed}" in roll_up for seed in (3, 4)) and "mean reward" in roll_up, result.stdout
+    assert all(f": {r.resolve()}\n" in roll_up for r in results), result.stdout
 
 
 @pytest.mark.parametrize("how", ["--config-dir", "hydra.searchpath"])
@@ -176,7 +179,7 @@ def test_what_cannot_start_is_one_line_naming_it(
     with socket.create_server(("127.0.0.1", 0)) as sock:
         closed_port = sock.getsockname()[1]  # nothing listens there once closed
     (tmp_path / "junk.gguf").write_bytes(b"not a model")
-    (tmp_path / "rows.jsonl").write_text('{"id": "r0"}\n')
+    (tmp_path / "rows.jsonl").write_text('{"id": "r0", "responses_create_params": {"input": "Hi."}}\n')
     (tmp_path / "gym.yaml").write_text(
         f"name: down\ntype: gym\ndataset: {{path: rows.jsonl}}\nresources_server_url: http://127.0.0.1:{closed_port}\n"
     )
