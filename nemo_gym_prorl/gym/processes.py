@@ -17,14 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from nemo_gym_prorl.child_lifetime import ends_with_parent
 from nemo_gym_prorl.gym import PLUGIN_ROOT
+from nemo_gym_prorl.gym.session_reaper import block_sigterm, session_members
 
 GYM = Path(sys.executable).with_name("gym")
 READY_DEADLINE_S = 300.0
 STOP_GRACE_S = 30.0
+REAPER_GRACE_S = 20.0  # after our death: gym's own shutdown first, then SIGKILL for what it left
 
 
 def gym_environ(venvs_dir: Path | None = None) -> dict[str, str]:
@@ -38,15 +39,6 @@ def gym_environ(venvs_dir: Path | None = None) -> dict[str, str]:
     if venvs_dir is not None:
         environ["PRORL_GYM_VENVS"] = str(venvs_dir)  # env.yaml's uv_venv_dir
     return environ
-
-
-def session_members(sid: int) -> set[int]:
-    members = set()
-    for pid in psutil.pids():
-        with contextlib.suppress(OSError):  # gone meanwhile
-            if os.getsid(pid) == sid:
-                members.add(pid)
-    return members
 
 
 async def kill_session(sid: int) -> None:
@@ -116,8 +108,13 @@ async def gym_env_start(
             cwd=cwd, env=environ, stdout=log_file, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
             preexec_fn=_gym_preexec(),
         )  # fmt: skip
-    head = f"http://127.0.0.1:{head_port}"
+    head, reaper = f"http://127.0.0.1:{head_port}", None
     try:
+        # If we are killed, gym gets SIGINT from the kernel; this watchdog kills what it leaves (session_reaper.py).
+        reaper = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "nemo_gym_prorl.gym.session_reaper", str(proc.pid), str(REAPER_GRACE_S),
+            preexec_fn=ends_with_parent(signal.SIGTERM, then=block_sigterm),
+        )  # fmt: skip
         await _wait_until_ready(proc, f"{head}/health", log)
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
             instances = (await client.get(f"{head}/server_instances")).json()
@@ -129,6 +126,10 @@ async def gym_env_start(
                 await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
         await kill_session(proc.pid)
         await proc.wait()
+        if reaper is not None:
+            with contextlib.suppress(ProcessLookupError):
+                reaper.kill()
+            await reaper.wait()
 
 
 async def _wait_until_ready(proc: asyncio.subprocess.Process, health_url: str, log: Path) -> None:
