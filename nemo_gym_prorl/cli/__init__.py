@@ -167,6 +167,34 @@ def rollout(cfg: DictConfig) -> None:
     with report:
         asyncio.run(run_job(config, report))
     report.print_summary()
+    hydra_config = HydraConfig.get()
+    if hydra_config.mode == RunMode.MULTIRUN:
+        _SWEEP.append((" ".join(hydra_config.overrides.task), report.roll_up_row()))
+
+
+# A sweep's runs, one (overrides, summary) each, for the roll-up printed when the sweep ends (`rollout_roll_up`).
+_SWEEP: list[tuple[str, dict[str, str]]] = []
+
+
+def rollout_roll_up() -> None:
+    """After a `-m` sweep: one row per run (its overrides, reward, rollouts file), to compare runs at a glance."""
+    from rich.console import Console
+    from rich.table import Table
+
+    runs, _SWEEP[:] = list(_SWEEP), []
+    if not runs:
+        return
+    paths = [(overrides, row.pop("rollouts")) for overrides, row in runs]
+    table = Table(title=f"prorl rollout -m: {len(runs)} runs")
+    table.add_column("overrides")
+    for column in runs[0][1]:
+        table.add_column(column, justify="right")
+    for overrides, row in runs:
+        table.add_row(overrides, *row.values())
+    console = Console()
+    console.print(table)
+    for overrides, path in paths:  # whole, on lines of their own: a table off a terminal is cut to 80 columns
+        console.print(f"{overrides}: {path}", soft_wrap=True, markup=False, highlight=False)
 
 
 def serve(cfg: DictConfig) -> None:
@@ -225,8 +253,11 @@ class _RunFailed(BaseException):
         self.error = error
 
 
-def hydra_command(name: str, config_name: str, app: Callable[[DictConfig], None]) -> Callable[[list[str]], None]:
-    """`prorl NAME ARGS...` as a Hydra app over conf/CONFIG_NAME.yaml: Hydra parses ARGS as its own command line."""
+def hydra_command(
+    name: str, config_name: str, app: Callable[[DictConfig], None], done: Callable[[], None] | None = None
+) -> Callable[[list[str]], None]:
+    """`prorl NAME ARGS...` as a Hydra app over conf/CONFIG_NAME.yaml: Hydra parses ARGS as its own command line;
+    `done` runs after the last run (of a sweep, too) succeeded."""
 
     def run(cfg: DictConfig) -> None:
         try:
@@ -242,6 +273,8 @@ def hydra_command(name: str, config_name: str, app: Callable[[DictConfig], None]
                 hydra_main()
             except _RunFailed as failed:
                 raise failed.error from None
+        if done is not None:
+            done()
 
     return command
 
@@ -286,7 +319,7 @@ def reverify(cfg: DictConfig) -> None:
         raise UsageError(str(e)) from None
 
 
-rollout_command = hydra_command("rollout", "config", rollout)
+rollout_command = hydra_command("rollout", "config", rollout, rollout_roll_up)
 serve_command = hydra_command("serve", "serve", serve)
 train_command = hydra_command("train", "train", train)
 _reverify_app = hydra_command("reverify", "reverify", reverify)

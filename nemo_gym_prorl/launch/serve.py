@@ -1,4 +1,5 @@
-"""`prorl serve`: the rollout service on uvicorn, until SIGINT/SIGTERM; then every sandbox is closed."""
+"""`prorl serve`: the rollout service on uvicorn, until SIGINT/SIGTERM; then every sandbox is closed, and the last
+line says what the job store kept for the next start."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from nemo_gym_prorl.launch.runtime import TOKEN_ENV, ServiceConfig, ServiceRunti
 from nemo_gym_prorl.service.app import create_app, is_loopback
 from nemo_gym_prorl.service.gc_tuning import tuned_gc
 from nemo_gym_prorl.service.orchestrator import Orchestrator
+from nemo_gym_prorl.service.store import JobStore
 from nemo_gym_prorl.viewer.service_ui import service_viewer
 
 
@@ -90,11 +92,27 @@ def _stop_requested(signum: int, frame: object) -> None:
     """uvicorn has stopped serving by now; the service's own shutdown follows."""
 
 
-async def serve_async(config: ServiceConfig, on_ready: Callable[[int], None] | None = None) -> None:
+def kept_line(config: ServiceConfig, store: JobStore) -> str:
+    """What a stopped service leaves for the next start, as its last line."""
+    counts, unfinished = store.counts(), len(store.unfinished_jobs())
+    total = sum(counts.values())
+    jobs = f"{total} job{'' if total == 1 else 's'} ({counts.get('done', 0)} done, {unfinished} unfinished)"
+    if str(config.service.store) == ":memory:":
+        return f"prorl serve: stopped; {jobs} were in memory (service.store=:memory:), none kept"
+    again = {"requeue": "run their missing samples", "fail": "fail them"}[config.service.recovery]
+    return (f"prorl serve: stopped; {config.service.store} keeps {jobs}; the next start will {again} "
+            f"(service.recovery={config.service.recovery})")  # fmt: skip
+
+
+async def serve_async(
+    config: ServiceConfig, on_ready: Callable[[int], None] | None = None, on_stop: Callable[[str], None] | None = None
+) -> None:
     async with run_service(config) as service:
         if on_ready is not None:
             on_ready(service.port)
         await service.serving
+        if on_stop is not None:  # counted before the runtime closes the store
+            on_stop(kept_line(config, service.orchestrator.store))
 
 
 def serve(config: ServiceConfig) -> None:
@@ -102,4 +120,4 @@ def serve(config: ServiceConfig) -> None:
         tasks = ", ".join(config.service.tasks)
         print(f"prorl serve: listening on http://{config.service.host}:{port} (tasks: {tasks})", flush=True)
 
-    asyncio.run(serve_async(config, announce))
+    asyncio.run(serve_async(config, announce, lambda line: print(line, flush=True)))

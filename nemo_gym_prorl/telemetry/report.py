@@ -112,6 +112,13 @@ class RolloutReport:
             ("wall time", f"{self.wall_s:.1f} s"),
         ]
 
+    def roll_up_row(self) -> dict[str, str]:
+        """This run as one row of a sweep's roll-up table."""
+        n = len(self.trajectories) or 1
+        return {"rollouts run": str(len(self.trajectories)), "mean reward": f"{self.mean('reward'):.3f}",
+                "with tool calls": f"{sum(t.num_tool_calls > 0 for t in self.trajectories) / n:.0%}",
+                "rollouts": str(self.output.absolute())}  # fmt: skip
+
     def _group_rows(self) -> list[tuple[str, str]]:
         """Only when some group holds more than one sample: the groups' sizes, how many have a reward spread, and
         the mean over groups of the group's mean reward ± the mean within-group (population) std."""

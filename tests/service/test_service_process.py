@@ -67,6 +67,9 @@ async def test_sigterm_closes_everything_then_exits_cleanly(instant_model: str, 
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 60) == 0
         assert [p for p in sandboxes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+        last = (await process.stdout.read()).decode().strip().splitlines()[-1]  # the user is told what was kept
+        assert last.startswith(f"prorl serve: stopped; {store} keeps 1 job (0 done, 1 unfinished)"), last
+        assert "will run their missing samples (service.recovery=requeue)" in last
     async with prorl_serve(instant_model, store) as (url, _), RolloutClient(url) as client:
         view = await client.wait(job_id)
     assert view.state == "done" and [t.reward for t in view.results] == [1.0, 1.0]
