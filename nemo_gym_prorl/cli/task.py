@@ -66,7 +66,7 @@ def check_task(task: TaskConfig, sandbox: str, limit: int | None, jobs: int) -> 
     from nemo_gym_prorl.envs.task_check import ProbeFailure, check_rows, probe_rows
 
     env = make_environment(task, sandbox)
-    instances = check_rows(env)[:limit] if limit else check_rows(env)
+    instances = check_rows(env)[:limit]
     if not any(env.probes(i) for i in instances):
         print(f"prorl task check: {task.name}: its rows carry no answer of known grade to submit "
               "(a Gym task is checked with Gym's own `ng_test`)", file=sys.stderr)  # fmt: skip
