@@ -28,6 +28,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_gym_prorl.agent.turns import LLMRequestError, PostJSON, refusal, request_fault
+from nemo_gym_prorl.contracts.progress import Generated
 from nemo_gym_prorl.json_http import HttpTransportError, JsonHttp
 from nemo_gym_prorl.telemetry import tracing
 from nemo_gym_prorl.telemetry.stage_clock import stage_deadline_held
@@ -123,6 +124,7 @@ class LLMPool:
         self._round_robin = 0
         self._in_flight = 0
         self._waiting = 0
+        self._generated = Generated()
         self._paused = False
         self._changed = asyncio.Event()  # set and replaced on every change waiters care about
         self._health_task: asyncio.Task[None] | None = None
@@ -188,6 +190,11 @@ class LLMPool:
         return self._in_flight
 
     @property
+    def generated(self) -> Generated:
+        """A copy of the answers and completion tokens counted so far."""
+        return self._generated.model_copy()
+
+    @property
     def waiting(self) -> int:
         """Requests waiting for ``resume()`` or for a healthy backend."""
         return self._waiting
@@ -246,6 +253,7 @@ class LLMPool:
                 for other, message in failed_500:  # the request was fine: those 500s were the servers'
                     self._failed(other, f"HTTP 500: {message[:500]} (the same request was answered later)")
                 self._succeeded(backend)
+                self._generated.count(answer)
                 tracing.annotate(backend=backend.address, attempts=attempt + 1)
                 for other, refused in refused_by:  # this backend took what they refused: the fault was theirs
                     self._failed(other, f"{refused} (another backend answered the same request)")

@@ -55,6 +55,10 @@ class RolloutService(Protocol):
 
     def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]: ...
 
+    async def status(self) -> dict[str, Any]:
+        """The service's `/status`: stages, live rollouts, jobs, model backends, what has been generated."""
+        ...
+
     async def pause_llm(self) -> None:
         """Hold new model requests and return once none is in flight (a trainer's weight update)."""
         ...
@@ -208,6 +212,9 @@ class LocalRolloutClient:
     async def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]:
         async for item in self._orchestrator.stream(job_id):
             yield item
+
+    async def status(self) -> dict[str, Any]:
+        return self._orchestrator.status()
 
     async def pause_llm(self) -> None:
         await self._orchestrator.pool.pause()

@@ -318,6 +318,12 @@ class Orchestrator:
             self.store.add_result(job.job_id, sample, trajectory)
         self.store.set_state(job.job_id, state)
 
+    def _where_generated(self) -> dict[str, Any]:
+        """On Ray the workers' pools generate, and the head's counts would say nothing of the run."""
+        if self.remote is not None:
+            return {"workers": self.remote.status()}
+        return {"generated": self.pool.generated.model_dump()}
+
     def status(self) -> dict[str, Any]:
         return {
             "paused": self.pipeline.paused,
@@ -326,5 +332,5 @@ class Orchestrator:
             "fork_groups": dict(self.pipeline.group_stats),
             "jobs": self.store.counts(),
             "llm_backends": [b.model_dump() for b in self.pool.backends()],
-            **({"workers": self.remote.status()} if self.remote is not None else {}),
+            **self._where_generated(),
         }

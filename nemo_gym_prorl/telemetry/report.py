@@ -2,7 +2,8 @@
 
 The summary ends with the output path and the command that opens it, printed whole: rich cuts a table to 80
 columns when stdout is not a terminal (make, CI, logs), and a cut path cannot be copied. Runs of GRPO groups say
-how many groups have a reward spread, since GRPO learns nothing from a group whose rewards are all equal.
+how many groups have a reward spread, since GRPO learns nothing from a group whose rewards are all equal. The bar
+shows the turns and tokens/s generated so far beside the rollouts finished: a SWE rollout can take minutes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from nemo_gym_prorl.contracts.progress import Generated
 from nemo_gym_prorl.contracts.trajectory import Trajectory, grpo_group
 
 _STAGES = ("init", "run", "eval")
@@ -53,6 +55,8 @@ class RolloutReport:
         self._file: IO[str] | None = None
         self._bar: tqdm | None = None
         self._started = 0.0
+        self._rollouts_began = 0.0
+        self.generated: Generated | None = None  # None: the service keeps no counts (Ray)
         self.wall_s = 0.0
 
     def __enter__(self) -> RolloutReport:
@@ -67,14 +71,28 @@ class RolloutReport:
             config_record_path(self.output).write_text(self.config_record)
         self._file = self.output.open("w")
         self._bar = tqdm(total=total, desc="rollouts", unit="rollout", dynamic_ncols=True)
+        self._rollouts_began = time.perf_counter()
+
+    def live(self, generated: Generated) -> None:
+        assert self._bar is not None
+        self.generated = generated
+        self._bar.set_postfix(self._postfix())  # redraws: no rollout may finish for minutes
 
     def add(self, trajectory: Trajectory) -> None:
         assert self._file is not None and self._bar is not None
         self._file.write(trajectory.model_dump_json() + "\n")
         self._file.flush()
         self.trajectories.append(trajectory)
-        self._bar.set_postfix(reward=f"{self.mean('reward'):.2f}", refresh=False)
+        self._bar.set_postfix(self._postfix(), refresh=False)
         self._bar.update(1)
+
+    def _postfix(self) -> dict[str, str]:
+        shown = {"reward": f"{self.mean('reward'):.2f}"} if self.trajectories else {}
+        if self.generated is not None:
+            elapsed = time.perf_counter() - self._rollouts_began
+            shown["turns"] = str(self.generated.answers)
+            shown["tok/s"] = f"{self.generated.completion_tokens / elapsed:.1f}" if elapsed > 0 else "-"
+        return shown
 
     def mean(self, attribute: str) -> float:
         values = [float(getattr(t, attribute)) for t in self.trajectories]

@@ -513,6 +513,8 @@ async def test_completions_through_the_pool_on_the_real_model_server(model_serve
         await pool.check_health()
         assert state(pool, model_server.base_url).healthy and not state(pool, dead).healthy
         assert state(pool, model_server.base_url).requests == 2 and pool.in_flight == 0
+        # the answered request counts, with the tokens it generated; the refused one does not
+        assert pool.generated.answers == 1 and pool.generated.completion_tokens == len(choice["token_ids"])
 
 
 async def test_waiting_requests_probe_ejected_backends_even_without_health_rounds(stand_in) -> None:

@@ -33,7 +33,8 @@ def test_rollout_writes_token_faithful_trajectories_graded_by_math_verify(tmp_pa
     output = tmp_path / "rollouts.jsonl"
     result = prorl(
         "rollout", "task=math", "model=local", "sandbox=bwrap", "n_samples=2", "limit=2", "concurrency=4",
-        "sampling.max_tokens=96", "model.n_ctx=4096", f"output={output}", timeout=400, cwd=tmp_path,
+        "sampling.max_tokens=96", "model.n_ctx=4096", "progress_interval_s=0.2", f"output={output}", timeout=400,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "mean reward" in result.stdout and "tool calls run" in result.stdout
@@ -56,6 +57,11 @@ def test_rollout_writes_token_faithful_trajectories_graded_by_math_verify(tmp_pa
     assert record["tasks"][0]["name"] == "math/arithmetic"
     assert all(line.startswith("rollouts:") for line in result.stderr.replace("\r", "\n").splitlines() if line)
     assert "rollouts: 0rollout" not in result.stderr  # the bar never draws before it knows its total
+    # progress inside the rollouts, before any finished; the bar's last count is every turn of the run
+    bar = result.stderr.replace("\r", "\n").splitlines()
+    assert any(" 0/4 " in line and "turns=" in line and "tok/s=" in line for line in bar), bar[:10]
+    last_turns = [line.split("turns=")[1].split(",")[0] for line in bar if "turns=" in line][-1]
+    assert int(last_turns) == sum(len(t.assistant_turns()) for t in trajectories)
     # the two samples of an instance share their first prompt (GRPO groups need that) but not their seed
     first_prompts = {t.instance_id: [] for t in trajectories}
     for t in trajectories:

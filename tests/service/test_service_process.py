@@ -49,6 +49,10 @@ async def test_prorl_rollout_sends_jobs_to_a_running_service(instant_model: str,
     rows = [json.loads(line) for line in output.read_text().splitlines()]
     assert len(rows) == 4 and all(row["critical_error"] is None for row in rows)
     assert "mean reward" in stdout.decode()
+    # the service's count of turns, polled during the run, ends at this run's own turns
+    turns = sum(1 for row in rows for m in row["messages"] if m["role"] == "assistant" and "generation_token_ids" in m)
+    last_drawn = [line for line in stderr.decode().replace("\r", "\n").splitlines() if "turns=" in line][-1]
+    assert f"turns={turns}," in last_drawn, last_drawn
 
 
 async def test_sigterm_closes_everything_then_exits_cleanly(instant_model: str, slow_model: str, tmp_path: Path) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
+from nemo_gym_prorl.contracts.progress import Generated
 from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.telemetry.report import RolloutReport
 
@@ -70,3 +72,15 @@ def test_one_sample_per_instance_shows_no_group_rows(tmp_path: Path) -> None:
     summary = printed_summary(tmp_path / "rollouts.jsonl", [trajectory(f"j{i}", 0, i % 2) for i in range(3)])
     assert "0.333" in row(summary, "mean reward")
     assert "group" not in summary.lower()
+
+
+def test_the_bar_shows_turns_and_tokens_per_second_before_any_rollout_ends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with RolloutReport(tmp_path / "rollouts.jsonl", "swe/offline") as report:
+        report.expect(4)
+        report.live(Generated(answers=3, completion_tokens=480))
+        drawn = capsys.readouterr().err.replace("\r", "\n").splitlines()[-1]
+        report.add(trajectory("j1", 0, 1.0))
+    assert " 0/4 " in drawn and "turns=3" in drawn and "tok/s=" in drawn and "reward" not in drawn
+    assert float(drawn.split("tok/s=")[1].rstrip("]")) > 0
