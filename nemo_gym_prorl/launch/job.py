@@ -21,13 +21,7 @@ from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.task import TaskInstance, load_task
 from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.envs.dataset import load_instances
-from nemo_gym_prorl.launch.runtime import (
-    ModelConfig,
-    SandboxConfig,
-    ServiceConfig,
-    ServiceRuntime,
-    ServiceSettings,
-)
+from nemo_gym_prorl.launch.runtime import ModelConfig, SandboxConfig, ServiceConfig, ServiceRuntime, ServiceSettings
 from nemo_gym_prorl.service.client import RolloutClient, RolloutService, ServiceError
 from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
 from nemo_gym_prorl.telemetry.tracing import TracingConfig
@@ -79,12 +73,16 @@ async def _generated(client: RolloutService) -> Generated | None:
     return None
 
 
+async def _show_progress(client: RolloutService, sink: RolloutSink, since: Generated) -> None:
+    """What was generated after `since` (a remote service may be serving others too), to the sink."""
+    if (now := await _generated(client)) is not None:
+        sink.live(now.since(since))
+
+
 async def _report_progress(client: RolloutService, sink: RolloutSink, interval_s: float, since: Generated) -> None:
-    """Every `interval_s`, what was generated after `since` (a remote service may be serving others too)."""
     while True:
         await asyncio.sleep(interval_s)
-        if (now := await _generated(client)) is not None:
-            sink.live(now.since(since))
+        await _show_progress(client, sink, since)
 
 
 def in_process_service(
@@ -138,5 +136,4 @@ async def _last_report(progress: asyncio.Task[None], client: RolloutService, sin
     progress.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await progress
-    if (now := await _generated(client)) is not None:
-        sink.live(now.since(since))
+    await _show_progress(client, sink, since)
