@@ -44,12 +44,19 @@ DEFAULT_PACKAGES: tuple[str, ...] = (
     "gcc",
     "libc6-dev",
     "python3-dev",
+    "python3-pip",
+    "python3-setuptools",
+    "python3-wheel",
+    "python3-hatchling",
+    "python3-setuptools-scm",
     "procps",
     "less",
 )
-"""Math (python3 with numpy), code (pytest) and SWE (git, patch, make, and a C compiler with Python's headers for
-repositories whose install builds C extensions) tasks, and a usable shell. The backends also
-rely on coreutils' `env` and util-linux's `setpriv` and `prlimit`, which every Debian minbase holds."""
+"""Math (python3 with numpy), code (pytest) and SWE (git, patch, make, a C compiler with Python's headers for
+repositories whose install builds C extensions, and pip with the common build backends, so a project installs
+itself offline the way its packaging says: `pip install -e . --no-build-isolation`) tasks, and a usable shell.
+The backends also rely on coreutils' `env` and util-linux's `setpriv` and `prlimit`, which every Debian minbase
+holds."""
 
 MANIFEST = "etc/prorl-image.json"
 """Written into every rootfs (relative to its root) once the build completed: the spec and the apt sources."""
