@@ -53,7 +53,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 
-fingerprint=$(cat setup.cfg pyproject.toml scripts/bootstrap.sh scripts/llama_cpp_library_only.cmake | sha256sum | cut -d' ' -f1)
+fingerprint=$(cat setup.cfg pyproject.toml requirements.lock scripts/bootstrap.sh scripts/llama_cpp_library_only.cmake \
+  | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$fingerprint" ]; then
   exit 0
 fi
@@ -83,8 +84,36 @@ if [ "$(cat "$VENV/.llama-cpp-build" 2>/dev/null)" != "$llama_key" ]; then
   echo "$llama_key" > "$VENV/.llama-cpp-build"
 fi
 
+# The package and its ~1.4 GB of dependencies: uv, several times faster than pip (docs/setup.md has the timings),
+# constrained to requirements.lock, the set pip resolves and CI tests (scripts/lock.sh); pip's own settings (its
+# indexes, find-links and constraints) go with it. Where uv cannot be had or fails, or PRORL_INSTALLER=pip, pip does
+# the same install.
 # nemo-gym declares Python >= 3.13.14, newer than any interpreter here; it runs on 3.13.0 (DESIGN.md §3).
-"$VENV/bin/python" -m pip install -q --ignore-requires-python -e '.[test,train]'
+UV=uv==0.13.8
+pip_setting() {  # pip's value for an option: its environment variable, else its configuration
+  local var="PIP_$(echo "$1" | tr 'a-z-' 'A-Z_')"
+  if [ -n "${!var:-}" ]; then echo "${!var}"; else "$VENV/bin/python" -m pip config get "global.$1" 2>/dev/null || true; fi
+}
+install_with_uv() {
+  "$VENV/bin/python" -m pip install -q "$UV" || return 1
+  local args=(pip install -q --python "$VENV/bin/python" --index-strategy unsafe-best-match -c requirements.lock)
+  local item
+  [ -n "$(pip_setting index-url)" ] && args+=(--index-url "$(pip_setting index-url)")
+  for item in $(pip_setting extra-index-url); do
+    # pip skips a file:// index that is not there (with a warning); uv would stop
+    [[ "$item" == file://* && ! -d "${item#file://}" ]] || args+=(--extra-index-url "$item")
+  done
+  for item in $(pip_setting find-links); do args+=(--find-links "$item"); done
+  for item in $(pip_setting constraint); do args+=(-c "$item"); done
+  if "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info >= (3, 13, 14))'; then
+    args+=(--python-version 3.13.14)
+  fi
+  "$VENV/bin/uv" "${args[@]}" -e '.[test,train]'
+}
+if [ "${PRORL_INSTALLER:-uv}" = pip ] || ! install_with_uv; then
+  [ "${PRORL_INSTALLER:-uv}" = pip ] || echo "bootstrap: uv could not install the set (above); installing with pip instead"
+  "$VENV/bin/python" -m pip install -q --ignore-requires-python -c requirements.lock -e '.[test,train]'
+fi
 echo "$fingerprint" > "$STAMP"
 echo "bootstrap: done"
 
