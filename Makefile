@@ -11,4 +11,4 @@ rollout: setup
 	.venv/bin/prorl rollout $(ARGS)
 
 test: setup
-	.venv/bin/python -m pytest
+	.venv/bin/python -X faulthandler -m pytest

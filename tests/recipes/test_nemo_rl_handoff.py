@@ -36,7 +36,7 @@ from fastapi import FastAPI
 from nemo_gym.cli.env import RunHelper
 from nemo_gym.global_config import GlobalConfigDictParserConfig
 from nemo_gym.rollout_collection import RolloutCollectionHelper
-from nemo_gym.server_utils import HEAD_SERVER_KEY_NAME, BaseServerConfig
+from nemo_gym.server_utils import HEAD_SERVER_KEY_NAME, BaseServerConfig, maybe_ray_cluster_exit
 from omegaconf import DictConfig
 
 from nemo_gym_prorl.agent.llm_pool import normalize_address
@@ -274,9 +274,10 @@ def handoff(model_server: LocalModelServer, tmp_path_factory: pytest.TempPathFac
     finally:
         run_helper.shutdown()
         background.close()
-        import ray
-
-        ray.shutdown()
+        # Gym's own exit for the Ray it started in this process: it shuts Ray down and forgets it did start one.
+        # A bare ray.shutdown() left Gym's atexit hook to shut the same Ray down again at interpreter exit, and
+        # CI saw pytest segfault right after that hook's line, with every test passed.
+        maybe_ray_cluster_exit()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
