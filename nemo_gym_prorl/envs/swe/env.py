@@ -138,7 +138,8 @@ class SweEnvironment(Environment):
         try:
             await sandbox.start()
             base = await stage_repository(
-                sandbox, settings.workdir, tree, row.base_patch, settings.stage_timeout_s, row.hidden_test_files
+                sandbox, settings.workdir, tree, row.base_patch, settings.stage_timeout_s, row.hidden_test_files,
+                install=row.repo_source is not None,  # an image's /testbed comes installed in its environment
             )
         except BaseException:
             await asyncio.shield(sandbox.close())

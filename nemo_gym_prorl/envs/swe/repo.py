@@ -6,7 +6,7 @@
   ``pip download --no-deps --no-binary :all:`` into the cache, checked against the hash, and unpacked into a
   normalised tar (sorted entries, fixed owner and time, modes 644/755): the same bytes on every machine. The
   offline suite under ``tasks/swe/`` is built on these, so the repository ships no sdists and runs offline once
-  the cache holds them.
+  the cache holds them. ``prorl swe generate --sdists DIR`` takes them from a local folder instead of PyPI.
 - ``git:PATH``: a local git repository; its tree at the row's ``base_commit`` (``git archive``).
 - unset: the image already holds the repository at ``/testbed`` (SWE-bench, SWE-Gym and R2E-Gym images); its tree
   is taken out of the image once (``swe_stage.image_tree``) and cached under ``images/``.
@@ -54,14 +54,15 @@ def check_source(source: str | None) -> None:
     raise ValueError(f"repo_source {source!r} is neither 'sdist:NAME==VERSION#sha256=HEX' nor 'git:PATH'")
 
 
-def tree_tar(source: str, base_commit: str = "") -> bytes:
-    """The repository's tree at its base as an uncompressed tar (paths relative to the repository root)."""
+def tree_tar(source: str, base_commit: str = "", sdists: Path | None = None) -> bytes:
+    """The repository's tree at its base as an uncompressed tar (paths relative to the repository root); an sdist
+    not in the cache yet comes from the folder `sdists` when given, else from PyPI."""
     check_source(source)
     if source.startswith("git:"):
         return _git_tree(source.removeprefix("git:"), base_commit)
     match = _SDIST.match(source)
     assert match is not None
-    return _sdist_tree(match["name"], match["version"], match["sha"]).read_bytes()
+    return _sdist_tree(match["name"], match["version"], match["sha"], sdists).read_bytes()
 
 
 @functools.lru_cache(maxsize=64)
@@ -74,7 +75,7 @@ def _git_tree(path: str, commit: str) -> bytes:
     return result.stdout
 
 
-def _sdist_tree(name: str, version: str, sha256: str) -> Path:
+def _sdist_tree(name: str, version: str, sha256: str, sdists: Path | None) -> Path:
     root = cache_dir()
     tree = root / "trees" / f"{name}-{version}-{sha256[:16]}.tar"
     if tree.is_file():
@@ -82,19 +83,26 @@ def _sdist_tree(name: str, version: str, sha256: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / ".lock"):
         if not tree.is_file():
-            archive = fetch_sdist(name, version, sha256)
+            archive = fetch_sdist(name, version, sha256, sdists)
             tree.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(tree, normalised_tree(archive))
     return tree
 
 
-def fetch_sdist(name: str, version: str, sha256: str) -> Path:
-    """The sdist archive in the cache, downloaded with pip on first use and checked against `sha256`."""
+def fetch_sdist(name: str, version: str, sha256: str, sdists: Path | None = None) -> Path:
+    """The sdist archive in the cache, on first use copied from the folder `sdists` (the file whose hash is
+    `sha256`) or else downloaded with pip and checked against `sha256`."""
     target = cache_dir() / "sdists" / sha256
     for existing in target.glob("*") if target.is_dir() else []:
         if _sha256(existing) == sha256:
             return existing
     target.mkdir(parents=True, exist_ok=True)
+    if sdists is not None:
+        local = next((f for f in sorted(sdists.iterdir()) if f.is_file() and _sha256(f) == sha256), None)
+        if local is None:
+            raise RepoSourceError(f"no sdist of {name}=={version} with sha256 {sha256} in {sdists}")
+        write_atomic(target / local.name, local.read_bytes())
+        return target / local.name
     with tempfile.TemporaryDirectory(dir=target) as tmp:
         argv = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
                 f"{name}=={version}", "-d", tmp]  # fmt: skip

@@ -3,16 +3,15 @@
 Staging puts the tree in the workspace, mounted where the repository lives in SWE-bench / SWE-Gym / R2E-Gym images
 (``/testbed``, so their eval scripts and the editable installs of their environments find it; see ``SweSettings``),
 from a tar: ``swe_repo``'s for a ``repo_source``, else the image's own ``/testbed`` taken out once (``image_tree``),
-since the workspace mounted there hides it. It removes the files ``test_patch`` creates (the hidden tests: the
-offline suite's come from the source tree), applies the row's ``base_patch`` (how the offline suite makes its bugs),
-and commits it as the one root commit of a fresh repository with a fixed author and date: no remotes, no history to
-``git log`` the fix out of, and the same commit id on every staging of the same tree. The hidden tests of
-``test_patch`` are not there: they come only at evaluation.
+since the workspace mounted there hides it. It removes the files ``test_patch`` creates (the hidden tests come only
+at evaluation), applies the row's ``base_patch`` (how the offline suite makes its bugs), installs a ``src/`` layout
+(``INSTALL_COMMAND``: its tests cannot import it from the checkout otherwise), and commits it as the one root commit
+of a fresh repository with a fixed author and date: no remotes, no history to ``git log`` the fix out of, and the
+same commit id on every staging of the same tree.
 
-Extraction runs in the run's sandbox while it is alive: ``git add -A`` and ``git diff --cached`` against the base
-commit (new files included). Binary diffs are dropped (with a note): ``git apply`` cannot use them without
-``--binary`` and SWE-bench patches are text. A patch over the size cap is dropped whole, with a note, since a
-truncated patch does not apply.
+Extraction runs in the run's live sandbox: ``git add -A`` and ``git diff --cached`` against the base commit (new
+files included). Binary diffs (``git apply`` needs ``--binary``; SWE-bench patches are text) and a patch over the
+size cap (a truncated patch does not apply) are dropped, with a note.
 """
 
 from __future__ import annotations
@@ -37,16 +36,28 @@ _BASE_PATCH = ".prorl-base.patch"
 _PATCH_OUT = ".prorl-patch.diff"
 _GIT_IDENTITY = ["-c", "user.name=prorl", "-c", "user.email=prorl@localhost", "-c", "init.defaultBranch=main"]
 _TOOL_STATE = STATE_DIR.split("/", 1)[0]  # the python tool's interpreter lives in the workspace: never in a patch
-_IGNORED = f"__pycache__/\\n*.pyc\\n.pytest_cache/\\n/{_TOOL_STATE}/\\n"
+_IGNORED = f"__pycache__/\\n*.pyc\\n.pytest_cache/\\n/{_TOOL_STATE}/\\n/.local/\\n"
+INSTALL_COMMAND = ("python3 -m pip install --quiet --user --break-system-packages --no-build-isolation --no-deps "
+                   "--no-index --no-cache-dir --no-warn-script-location --editable .")  # fmt: skip
+"""How a src-layout project is installed: as its packaging says (its build backend, from the image), offline, into
+the sandbox user's site, ``.local/`` in the workspace (HOME; the image is read-only), which git ignores. It runs
+before ``git init`` (version plugins read PKG-INFO, not the fresh repository), so no patch or diff holds what it
+wrote. A tree is a src layout when ``src/`` holds Python files beside a pyproject.toml or setup.py."""
+_INSTALL_FAILED = 20
 
 _STAGE = f"""set -euo pipefail
-cd "$1" && shift
+cd "$1" && install=$2 && shift 2
+mkdir -p /tmp/prorl-stage
 tar -xf {_STAGE_TAR} --no-same-owner --no-same-permissions && rm -f {_STAGE_TAR}
 rm -rf .git
 for hidden in "$@"; do rm -rf -- "$hidden"; done
 if [ -f {_BASE_PATCH} ]; then
-  mkdir -p /tmp/prorl-stage && mv {_BASE_PATCH} /tmp/prorl-stage/base.patch
+  mv {_BASE_PATCH} /tmp/prorl-stage/base.patch
   git apply --whitespace=nowarn /tmp/prorl-stage/base.patch
+fi
+src_layout() {{ [ -n "$(find src -maxdepth 3 -name '*.py' -print -quit 2>/dev/null)" ] && [ -f pyproject.toml -o -f setup.py ]; }}
+if [ -n "$install" ] && src_layout; then
+  bash -c "$install" > /tmp/prorl-stage/install.log 2>&1 || {{ tail -n 15 /tmp/prorl-stage/install.log; exit {_INSTALL_FAILED}; }}
 fi
 git {' '.join(_GIT_IDENTITY)} init -q
 printf '{_IGNORED}' >> .git/info/exclude
@@ -77,14 +88,19 @@ class ExtractedPatch(BaseModel):
 
 
 async def stage_repository(
-    sandbox: Sandbox, workdir: str, tree: bytes, base_patch: str, timeout_s: float, hidden: list[str] = ()
+    sandbox: Sandbox, workdir: str, tree: bytes, base_patch: str, timeout_s: float, hidden: list[str] = (),
+    install: bool = False,
 ) -> str:
-    """Stage `tree` (a tar) with `base_patch` in the sandbox's workspace `workdir`, without the `hidden` files; the
-    base commit's id."""
+    """Stage `tree` (a tar) with `base_patch` in the sandbox's workspace `workdir`, without the `hidden` files, and
+    with `install` a src-layout project installed (see the module docstring); the base commit's id."""
     await sandbox.write_file(_STAGE_TAR, tree)
     if base_patch:
         await sandbox.write_file(_BASE_PATCH, base_patch.encode())
-    result = await sandbox.exec(["bash", "-c", _STAGE, "prorl", workdir, *hidden], timeout=timeout_s)
+    argv = ["bash", "-c", _STAGE, "prorl", workdir, INSTALL_COMMAND if install else "", *hidden]
+    result = await sandbox.exec(argv, timeout=timeout_s)
+    if result.exit_code == _INSTALL_FAILED:
+        raise StagingError(f"installing the project failed ({INSTALL_COMMAND}); pip's last lines:\n"
+                           f"{result.output.strip()}")  # fmt: skip
     if result.exit_code != 0:
         why = "timed out" if result.timed_out else f"exit {result.exit_code}"
         raise StagingError(f"staging the repository failed ({why}): {result.output.strip()[-2000:]}")

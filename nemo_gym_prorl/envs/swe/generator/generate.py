@@ -7,7 +7,8 @@ kept when the tests, run twice, agree that at least one test now fails (FAIL_TO_
 passes (PASS_TO_PASS). The files holding the failing tests become the hidden ``test_patch`` (files a ``test_patch``
 creates are absent from a staged base; ``base_patch`` carries the bug); the gold ``patch`` undoes the bug. The problem statement says what
 fails and where, not how to fix it. Every row is gated through the SWE environment itself: the gold patch must
-resolve it and the empty patch must not.
+resolve it and the empty patch must not. A project that yields fewer rows than its ``instances`` fails the run,
+saying why (``GenerationError``); nothing is written then.
 
 The same YAML, seed and Python give the same file, byte for byte.
 """
@@ -33,7 +34,7 @@ from nemo_gym_prorl.envs.swe.env import SweEnvironment
 from nemo_gym_prorl.envs.swe.generator.check import check_instance
 from nemo_gym_prorl.envs.swe.generator.mutations import Mutation, mutations
 from nemo_gym_prorl.envs.swe.rows import parse_row
-from nemo_gym_prorl.envs.swe.stage import WORKDIR, stage_repository
+from nemo_gym_prorl.envs.swe.stage import WORKDIR, StagingError, stage_repository
 from nemo_gym_prorl.sandbox import SandboxLimits, SandboxSpec, open_sandbox
 
 _RUN_LOG = ".prorl-gen.log"
@@ -45,6 +46,10 @@ _STATEMENTS = (
     "Bug report: calling `{function}` from `{module}` gives wrong results. These tests in `{files}` catch it: "
     "{tests}. Please fix the implementation.",
 )
+
+
+class GenerationError(RuntimeError):
+    """A project the suite cannot be made from; the one-line message names it and says why."""
 
 
 class Project(BaseModel):
@@ -76,7 +81,17 @@ async def _test_statuses(sandbox, tests: list[str]) -> dict[str, str]:  # type: 
     result = await sandbox.exec(_run_tests_command(tests), timeout=300)
     if result.timed_out:
         raise RuntimeError("the project's tests timed out")
-    return parse_log_pytest_v2((await sandbox.read_file(_RUN_LOG)).decode(errors="replace"), None)
+    return parse_log_pytest_v2(await _run_log(sandbox), None)
+
+
+async def _run_log(sandbox) -> str:  # type: ignore[no-untyped-def]
+    return (await sandbox.read_file(_RUN_LOG)).decode(errors="replace")
+
+
+def _first_error(log: str) -> str:
+    """The line of a pytest log that says best why nothing passed: its first error, else its last line."""
+    lines = [" ".join(line.split()) for line in log.splitlines() if line.strip()]
+    return next((line for line in lines if line.startswith(("ERROR", "E "))), lines[-1] if lines else "no output")
 
 
 def _passing(statuses: dict[str, str]) -> set[str]:
@@ -119,9 +134,21 @@ def _statement(rng: random.Random, mutation: Mutation, module: str, f2p: list[st
                            module=module)  # fmt: skip
 
 
-async def generate_project(suite: Suite, project: Project, image: str | None, log) -> list[dict]:  # type: ignore[no-untyped-def]
+class _Made(BaseModel):
+    """A project's candidate rows, and what explains it when they are too few."""
+
+    rows: list[dict]
+    shortfall: str = Field(description="why no more rows came: what the tests and mutations did")
+
+
+async def generate_project(  # type: ignore[no-untyped-def]
+    suite: Suite, project: Project, image: str | None, log, sdists: Path | None = None
+) -> _Made:
     source = swe_repo.sdist_source(project.name, project.version, project.sha256)
-    tree = await asyncio.to_thread(swe_repo.tree_tar, source)
+    try:
+        tree = await asyncio.to_thread(swe_repo.tree_tar, source, "", sdists)
+    except swe_repo.RepoSourceError as e:
+        raise GenerationError(f"project {project.name} {project.version}: {e}") from None
     files = _tree_files(tree)
     spec = SandboxSpec(image=image, limits=SandboxLimits(wall_clock_s=7200, memory_mb=2048),
                        env={"PYTHONDONTWRITEBYTECODE": "1"}, workspace=WORKDIR)  # fmt: skip
@@ -129,14 +156,21 @@ async def generate_project(suite: Suite, project: Project, image: str | None, lo
     candidates = [(module, m) for module in project.modules for m in mutations(files[module])]
     rng.shuffle(candidates)
     rows: list[dict] = []
+    tried = caught = 0
     async with open_sandbox("bwrap", spec) as sandbox:
-        await stage_repository(sandbox, WORKDIR, tree, "", 300)
+        try:
+            await stage_repository(sandbox, WORKDIR, tree, "", 300, install=True)
+        except StagingError as e:
+            raise GenerationError(f"project {project.name} {project.version}: {e}") from None
         first, second = await _test_statuses(sandbox, project.tests), await _test_statuses(sandbox, project.tests)
         baseline = _passing(first) & _passing(second)
         log(f"{project.name}: {len(baseline)} tests pass twice, {len(candidates)} candidate mutations")
+        if not baseline:
+            return _Made(rows=[], shortfall=f"0 of its tests pass twice ({_first_error(await _run_log(sandbox))})")
         for module, mutation in candidates[: suite.max_candidates]:
             if len(rows) >= project.instances:
                 break
+            tried += 1
             await sandbox.write_file(module, mutation.source.encode())
             try:
                 runs = [await _test_statuses(sandbox, project.tests)]
@@ -146,6 +180,7 @@ async def generate_project(suite: Suite, project: Project, image: str | None, lo
                 await sandbox.write_file(module, files[module].encode())
             failing = set.intersection(*(baseline - _passing(r) for r in runs))
             still = set.intersection(*(_passing(r) for r in runs)) & baseline
+            caught += bool(failing)
             test_files = sorted({t.split("::", 1)[0] for t in failing})
             if not failing or any(len(files[f].encode()) > suite.max_test_file_bytes for f in test_files):
                 continue
@@ -172,16 +207,22 @@ async def generate_project(suite: Suite, project: Project, image: str | None, lo
             }
             rows.append(row)
             log(f"{row['instance_id']}: {row['mutation']}: {len(f2p)} fail-to-pass, {len(p2p)} pass-to-pass")
-    return rows
+    if not caught:
+        return _Made(rows=rows, shortfall=f"no mutation made a test fail ({tried} tried)")
+    limit = f" (max_candidates: {suite.max_candidates})" if tried == suite.max_candidates else ""
+    return _Made(rows=rows, shortfall=f"{tried} mutations tried{limit}, {caught} made a test fail, {len(rows)} of "
+                 "those kept a test of the same files passing with test files under max_test_file_bytes")  # fmt: skip
 
 
-async def gate(rows: list[dict], image_setting: str, log) -> list[dict]:  # type: ignore[no-untyped-def]
-    """Keep the rows whose gold patch resolves and whose empty patch does not; fill in base_commit."""
+async def gate(rows: list[dict], image_setting: str, log) -> tuple[list[dict], list[str]]:  # type: ignore[no-untyped-def]
+    """Keep the rows whose gold patch resolves and whose empty patch does not, with base_commit filled in; and why
+    each other row was dropped."""
     task = TaskConfig(name="swe/generate", type="swe", dataset=DatasetConfig(path=Path("generated.jsonl")),
                       limits=SandboxLimits(wall_clock_s=900, memory_mb=2048),
                       verifier={"image": image_setting, "skip_empty_patch": False})  # fmt: skip
     env = SweEnvironment(task, "bwrap")
-    kept = []
+    kept: list[dict] = []
+    dropped: list[str] = []
     for row in rows:
         instance = TaskInstance(instance_id=row["instance_id"], data=row)
         sandbox, base = await env._staged_sandbox(parse_row(row, row["instance_id"]))
@@ -190,11 +231,13 @@ async def gate(rows: list[dict], image_setting: str, log) -> list[dict]:  # type
         if checked.sound:
             kept.append(row | {"base_commit": base})
         else:
+            dropped.append(checked.why)
             log(f"{row['instance_id']}: dropped by the gate ({checked.why})")
-    return kept
+    return kept, dropped
 
 
-async def generate(suite: Suite, log) -> list[dict]:  # type: ignore[no-untyped-def]
+async def generate(suite: Suite, log, sdists: Path | None = None) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Every project's gated rows; a `GenerationError` at the first project that yields fewer than it asks for."""
     from nemo_gym_prorl.envs.swe.images import resolve_image
 
     probe = parse_row({"instance_id": "probe", "repo": "", "base_commit": "", "problem_statement": "",
@@ -202,8 +245,12 @@ async def generate(suite: Suite, log) -> list[dict]:  # type: ignore[no-untyped-
     image = resolve_image(suite.image, probe, Path.cwd())
     rows = []
     for project in suite.projects:
-        made = await generate_project(suite, project, image, log)
-        kept = await gate(made, suite.image, log)
+        made = await generate_project(suite, project, image, log, sdists)
+        kept, dropped = await gate(made.rows, suite.image, log)
+        if len(kept) < project.instances:
+            why = made.shortfall + (f"; the gate dropped {len(dropped)} ({dropped[0]})" if dropped else "")
+            raise GenerationError(f"project {project.name} {project.version}: asked for {project.instances} "
+                                  f"instances, made {len(kept)}: {why}")  # fmt: skip
         for i, row in enumerate(kept, 1):  # numbered after the gate, so ids have no gaps
             row["instance_id"] = f"pypi__{project.name}-{i:04d}"
         rows += kept
@@ -215,12 +262,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite", type=Path, default=TASKS_DIR / "swe/offline/suite.yaml")
     parser.add_argument("--output", type=Path, help="JSONL to write (default: the suite's offline.jsonl beside it)")
     parser.add_argument("--projects", nargs="*", help="only these projects (by name)")
+    parser.add_argument("--sdists", type=Path, help="a folder holding the pinned sdists (matched by sha256), "
+                        "used instead of PyPI for those not in the cache yet")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.sdists is not None and not args.sdists.is_dir():
+        parser.error(f"--sdists {args.sdists}: expected a folder of sdist archives")
     suite = Suite.model_validate(yaml.safe_load(args.suite.read_text()))
     if args.projects:
         suite.projects = [p for p in suite.projects if p.name in args.projects]
     output = args.output or args.suite.parent / "offline.jsonl"
-    rows = asyncio.run(generate(suite, lambda line: print(line, file=sys.stderr, flush=True)))
+    try:
+        rows = asyncio.run(generate(suite, lambda line: print(line, file=sys.stderr, flush=True), args.sdists))
+    except GenerationError as e:
+        print(f"prorl swe generate (nothing written): {e}", file=sys.stderr)
+        return 1
     output.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
     print(f"{len(rows)} instances from {len({r['repo'] for r in rows})} projects -> {output}")
     return 0
