@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
+from nemo_gym_prorl.child_lifetime import TERMINATED, sigterm_exits
 from nemo_gym_prorl.contracts.task import TASKS_DIR, TaskConfig, TaskConfigError, load_task, task_path
 
 # In a checkout nemo_gym_prorl/conf links to the top-level conf/; a wheel carries a copy.
@@ -216,13 +217,6 @@ def serve(cfg: DictConfig) -> None:
 
 
 def train(cfg: DictConfig) -> None:
-    from nemo_gym_prorl.train.grpo import sigterm_exits
-
-    with sigterm_exits():  # from the start: a SIGTERM during start-up also unwinds what was started
-        _train(cfg)
-
-
-def _train(cfg: DictConfig) -> None:
     from nemo_gym_prorl.launch.startup import check_sandbox_backend
     from nemo_gym_prorl.models.llama_log import route_llama_logs
     from nemo_gym_prorl.train.grpo import TrainConfig, TrainSetupError, plan, summary_lines, train_policy
@@ -406,10 +400,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if command is None:
             raise UsageError(f"unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}")
-        command(argv[1:])
+        with sigterm_exits():  # from the start: a SIGTERM during start-up also unwinds what was started
+            command(argv[1:])
     except KeyboardInterrupt:
         print("prorl: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    except SystemExit as e:
+        if e.code == TERMINATED:
+            print("prorl: terminated", file=sys.stderr)
+        raise
     except Exception as e:
         if os.environ.get(FULL_ERROR_ENV) == "1":
             raise

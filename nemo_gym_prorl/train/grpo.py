@@ -10,17 +10,14 @@ which `prorl view` opens). Held-out rows are evaluated before the first step and
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
-import signal
 import statistics
 import time
 import typing
 import warnings
-from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -172,20 +169,6 @@ def plan(config: TrainConfig, task: TaskConfig) -> TrainPlan:
     if config.service.url is not None:
         _check_service(config.service.url, config.service.token)
     return TrainPlan(config, task, train, heldout, args, resume_from)
-
-
-@contextlib.contextmanager
-def sigterm_exits() -> Iterator[None]:
-    """SIGTERM ends training as Ctrl-C does: through every `finally`, so no sandbox, server or job is left."""
-
-    def stop(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclasses.dataclass

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -300,3 +303,58 @@ def test_a_benchmark_stopped_or_killed_leaves_no_process_behind(stop: signal.Sig
         bench.kill()
     alive = still_running(started, within_s)
     assert not alive, [" ".join(p.cmdline())[:200] for p in alive]
+
+
+def read_until(stream: int, pattern: str, proc: subprocess.Popen[bytes], limit_s: float) -> str:
+    """What `proc` wrote on `stream` (a raw fd: tqdm redraws with \\r, not lines) up to the first match of `pattern`."""
+    seen, deadline = "", time.monotonic() + limit_s
+    while not re.search(pattern, seen):
+        ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(stream, 65536) if ready else b""
+        if not chunk:
+            pytest.fail(f"no {pattern!r} within {limit_s} s (exit {proc.poll()}): {seen[-2000:]}")
+        seen += chunk.decode(errors="replace")
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("stop", "within_s"),
+    [
+        (signal.SIGTERM, 0),  # the command stops them itself before it exits
+        (signal.SIGINT, 0),  # Ctrl-C: the same
+        (signal.SIGKILL, 30),  # no cleanup runs: the kernel tells each child its parent died, and they stop
+    ],
+    ids=["SIGTERM", "SIGINT", "SIGKILL"],
+)
+def test_a_rollout_stopped_mid_generation_leaves_no_process_behind(
+    tmp_path: Path, stop: signal.Signals, within_s: float
+) -> None:
+    """`prorl rollout` with the embedded model and bubblewrap, signalled (itself only, as `kill PID` does) once the
+    model has answered a turn and is generating the next: the model server and every sandbox go with it, and
+    where it had the chance to clean up, the sandboxes' folders too."""
+    scratch = Path(tempfile.mkdtemp(prefix="prorl-test-tmpdir-"))  # not under tmp_path: the sandbox's uid reads it
+    scratch.chmod(0o755)
+    rollout = subprocess.Popen(
+        [*PRORL, "rollout", "task=math", "model=local", "sandbox=bwrap", "n_samples=2", "limit=2", "concurrency=4",
+         "sampling.max_tokens=512", "model.n_ctx=4096", "progress_interval_s=0.1", f"output={tmp_path / 'r.jsonl'}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path, env={**os.environ, "TMPDIR": str(scratch)},
+    )  # fmt: skip
+    assert rollout.stderr is not None
+    try:
+        read_until(rollout.stderr.fileno(), r"turns=[1-9]", rollout, limit_s=300)
+        assert list(scratch.glob("prorl-sbx-*"))
+        started = psutil.Process(rollout.pid).children(recursive=True)
+        commands = [" ".join(p.cmdline()) for p in started]
+        assert any("bwrap" in c for c in commands), commands  # sandboxes are open
+        assert any("nemo_gym_prorl.models.server" in c for c in commands), commands  # and the model server runs
+        rollout.send_signal(stop)
+        rollout.communicate(timeout=120)
+    finally:
+        rollout.kill()
+    assert rollout.returncode != 0  # a stopped run does not claim success
+    alive = still_running(started, within_s)
+    assert not alive, [" ".join(p.cmdline())[:200] for p in alive]
+    if stop != signal.SIGKILL:  # after a SIGKILL the next start sweeps them (test_sandbox_leaks)
+        assert not list(scratch.glob("prorl-sbx-*"))
+    shutil.rmtree(scratch)

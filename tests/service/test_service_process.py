@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 from service_helpers import prorl_serve
 from standin_helpers import ROW
 
@@ -55,10 +56,13 @@ async def test_prorl_rollout_sends_jobs_to_a_running_service(instant_model: str,
     assert f"turns={turns}," in last_drawn, last_drawn
 
 
-async def test_sigterm_closes_everything_then_exits_cleanly(instant_model: str, slow_model: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_stop_signal_closes_everything_then_exits_cleanly(
+    instant_model: str, slow_model: str, tmp_path: Path, stop: signal.Signals
+) -> None:
     """uvicorn re-raises the signal it stopped on; with the default SIGTERM that killed the service before it closed
     its sandboxes, model and pool (they only went because they die with it). Now the service closes them itself,
-    exits 0, and the rollouts it cut short are run again after a restart."""
+    exits 0, and the rollouts it cut short are run again after a restart. Ctrl-C does the same."""
     store = tmp_path / "jobs.db"
     async with prorl_serve(slow_model, store) as (url, process):
         async with RolloutClient(url) as client:
@@ -68,7 +72,7 @@ async def test_sigterm_closes_everything_then_exits_cleanly(instant_model: str, 
                     await asyncio.sleep(0.05)
         sandboxes = [p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "bwrap"]
         assert sandboxes
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(stop)
         assert await asyncio.wait_for(process.wait(), 60) == 0
         assert [p for p in sandboxes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
         last = (await process.stdout.read()).decode().strip().splitlines()[-1]  # the user is told what was kept
