@@ -131,7 +131,10 @@ class WorkerFleet:
 
     def _create(self, node_id: str) -> WorkerRef:
         self._serial += 1
-        spec = self.spec.model_copy(update={"backends": self.pool.backend_list(), "paused": self.pool.paused})
+        pool = self.pool
+        spec = self.spec.model_copy(
+            update={"backends": pool.backend_list(), "paused": pool.paused, "policy_version": pool.policy_version}
+        )
         actor = (
             ray.remote(RolloutWorker)
             .options(
@@ -325,6 +328,6 @@ class WorkerFleet:
         counts = await asyncio.gather(*(w.actor.llm_waiting.remote() for w in self.workers), return_exceptions=True)
         return sum(c for c in counts if isinstance(c, int))
 
-    def resume(self) -> None:
+    def resume(self, policy_version: int | None = None) -> None:
         for w in self.workers:
-            w.actor.resume_llm.remote()
+            w.actor.resume_llm.remote(policy_version)

@@ -20,7 +20,7 @@ class Workers(Protocol):
 
     async def pause(self) -> None: ...
 
-    def resume(self) -> None: ...
+    def resume(self, policy_version: int | None = None) -> None: ...
 
 
 class FleetPool(LLMPool):
@@ -53,7 +53,7 @@ class FleetPool(LLMPool):
         self._paused = True  # before the workers are asked: one started meanwhile starts paused
         await asyncio.gather(super().pause(), *([self._fleet.pause()] if self._fleet is not None else []))
 
-    def resume(self) -> None:
-        super().resume()
+    def resume(self, policy_version: int | None = None) -> None:
+        super().resume(policy_version)
         if self._fleet is not None:
-            self._fleet.resume()
+            self._fleet.resume(policy_version)

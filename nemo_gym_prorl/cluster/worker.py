@@ -58,6 +58,7 @@ class WorkerSpec(BaseModel):
     llm_pool: LLMPoolConfig
     backends: list[Backend]
     paused: bool = False
+    policy_version: int | None = None
     gguf: str | None = None  # tokens mode: the tokenizer's GGUF, a path every node sees
 
 
@@ -125,6 +126,7 @@ class RolloutWorker:
             self.pool = LLMPool(self.spec.llm_pool)
             for backend in self.spec.backends:
                 self.pool.add(backend.address, backend.model, backend.api_key)
+            self.pool.policy_version = self.spec.policy_version
             self.pool.start()
             if self.spec.paused:
                 await self.pool.pause()
@@ -261,10 +263,12 @@ class RolloutWorker:
         if self.pool is not None:
             await self.pool.pause()
 
-    def resume_llm(self) -> None:
+    def resume_llm(self, policy_version: int | None = None) -> None:
         self.spec.paused = False
+        if policy_version is not None:
+            self.spec.policy_version = policy_version
         if self.pool is not None:
-            self.pool.resume()
+            self.pool.resume(policy_version)
 
     def llm_waiting(self) -> int:
         """Requests of this worker waiting for a resume or a healthy backend."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field
 
 CriticalError = Literal["init", "run", "eval", "timeout", "cancelled"]
 Finish = Literal["answer", "finish", "max_turns", "context_length", "error"]
@@ -82,6 +82,21 @@ class Trajectory(BaseModel):
 
     def assistant_turns(self) -> list[dict[str, Any]]:
         return [m for m in self.messages if m.get("role") == "assistant" and "generation_token_ids" in m]
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def first_policy_version(self) -> int | None:
+        """The version of the weights that generated the first turn (None where no turn says): with
+        `last_policy_version`, how many weight updates the rollout spans, for an asynchronous trainer's staleness."""
+        return next((v for v in self._versions()), None)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def last_policy_version(self) -> int | None:
+        return next((v for v in reversed(self._versions())), None)
+
+    def _versions(self) -> list[int]:
+        return [m["policy_version"] for m in self.assistant_turns() if m.get("policy_version") is not None]
 
     def mask_reason(self) -> str | None:
         """Why a trainer must not learn from this rollout, or None: it failed for a reason that is not the policy's

@@ -5,7 +5,7 @@
   a stage goes on) instead of tearing the server down every training step; ``/start`` resumes it.
 - Non-blocking jobs: ``POST /jobs`` → id; ``GET /jobs/{id}``; ``POST /jobs/{id}/cancel``; ``GET /jobs/{id}/stream``
   (NDJSON, one line per sample as it finishes).
-- ``POST /llm/pause`` / ``/llm/resume`` for weight sync; ``GET /metrics`` (Prometheus); the OpenAPI document.
+- ``POST /llm/pause`` / ``/llm/resume`` (with the new ``policy_version``) for weight sync; ``GET /metrics`` (Prometheus); the OpenAPI document.
 - ``/ui/``: the rollout viewer over the stored results, with live plots of the pipeline (``viewer/``).
 - NeMo Gym's agent ``POST /run`` and ``/aggregate_metrics`` live in ``gym_agent.py``.
 
@@ -60,6 +60,13 @@ class AddLLMServerRequest(BaseModel):
 class JobIdRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     job_id: str
+
+
+class ResumeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    policy_version: int | None = Field(
+        None, description="the version of the weights served from now on: every turn generated after it carries it"
+    )
 
 
 class Accepted(BaseModel):
@@ -220,9 +227,10 @@ def create_app(orchestrator: Orchestrator, token: str | None = None, max_body_by
         return {"paused": True, "in_flight": orchestrator.pool.in_flight}
 
     @app.post("/llm/resume", dependencies=guarded)
-    async def resume_llm() -> dict[str, Any]:
-        orchestrator.pool.resume()
-        return {"paused": False}
+    async def resume_llm(body: ResumeRequest | None = None) -> dict[str, Any]:
+        version = body.policy_version if body is not None else None
+        orchestrator.pool.resume(version)
+        return {"paused": False, "policy_version": orchestrator.pool.policy_version}
 
     @app.get("/metrics", dependencies=guarded)
     async def prometheus() -> PlainTextResponse:

@@ -63,7 +63,10 @@ class RolloutService(Protocol):
         """Hold new model requests and return once none is in flight (a trainer's weight update)."""
         ...
 
-    async def resume_llm(self) -> None: ...
+    async def resume_llm(self, policy_version: int | None = None) -> None:
+        """Let model requests go again; `policy_version`: the version of the weights now served, which every turn
+        generated from here on carries (unless its server stamps its own)."""
+        ...
 
 
 class RolloutClient:
@@ -176,8 +179,8 @@ class RolloutClient:
     async def pause_llm(self) -> None:
         await self._call("POST", "/llm/pause")
 
-    async def resume_llm(self) -> None:
-        await self._call("POST", "/llm/resume")
+    async def resume_llm(self, policy_version: int | None = None) -> None:
+        await self._call("POST", "/llm/resume", {"policy_version": policy_version})
 
 
 def _raise_for_error(response: httpx.Response) -> None:
@@ -219,8 +222,8 @@ class LocalRolloutClient:
     async def pause_llm(self) -> None:
         await self._orchestrator.pool.pause()
 
-    async def resume_llm(self) -> None:
-        self._orchestrator.pool.resume()
+    async def resume_llm(self, policy_version: int | None = None) -> None:
+        self._orchestrator.pool.resume(policy_version)
 
 
 class SyncRolloutClient:

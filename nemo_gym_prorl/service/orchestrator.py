@@ -332,5 +332,7 @@ class Orchestrator:
             "fork_groups": dict(self.pipeline.group_stats),
             "jobs": self.store.counts(),
             "llm_backends": [b.model_dump() for b in self.pool.backends()],
+            "llm_paused": self.pool.paused,
+            "policy_version": self.pool.policy_version,
             **self._where_generated(),
         }

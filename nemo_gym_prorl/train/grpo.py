@@ -246,7 +246,7 @@ class _Run:
         try:
             await self.policy.publish(version)
         finally:
-            await self.client.resume_llm()
+            await self.client.resume_llm(self.policy.version)
 
     def keep_rollouts(self, step: int, trajectories: list[Trajectory]) -> None:
         _write_jsonl(step_file(self.run_dir / "rollouts", step), trajectories)

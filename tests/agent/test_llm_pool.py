@@ -73,6 +73,7 @@ class StandIn:
         self.headers: list[dict[str, str]] = []  # each completion request's headers
         self.refusal: str | None = None  # completions answer 400 with this message
         self.completions = 0
+        self.stamps: int | None = None  # the version this server stamps on its answers, as ours does
         self.models_down = False  # /v1/models (the health probe) answers 503
         self.port = 0
         self._stopping = asyncio.Event()
@@ -105,7 +106,10 @@ class StandIn:
             if self.refusal is not None:
                 return JSONResponse({"error": {"message": self.refusal, "code": 400}}, 400)
             await self.gate.wait()
-            return JSONResponse({"backend": self.name, "echo": body})
+            stamped = {"policy_version": self.stamps} if self.stamps is not None else {}
+            message = {"role": "assistant", "content": "ok", **stamped}
+            choice = {"text": "ok", "message": message, **stamped}
+            return JSONResponse({"backend": self.name, "echo": body, "choices": [choice]})
 
         post = ["POST"]
         return Starlette(
@@ -463,6 +467,36 @@ async def test_pause_drains_in_flight_requests_and_holds_new_ones_until_resume(
         pool.resume()
         assert (await asyncio.wait_for(second, WAIT))["echo"] == {"prompt": "second"}
         assert a.completions == 2
+
+
+async def test_each_answer_carries_the_version_its_request_was_generated_by(
+    stand_in: Callable[[str], Awaitable[StandIn]], arrivals: Arrivals
+) -> None:
+    a = await stand_in("a")
+    async with LLMPool(config(), [a.address]) as pool:
+        unknown = await asyncio.wait_for(pool.post("t", "/completions", {"prompt": "p"}), WAIT)
+        assert "policy_version" not in unknown["choices"][0]  # no version was ever set: none is claimed
+        await arrival(arrivals)
+
+        pool.resume(policy_version=3)
+        a.gate.clear()
+        old = asyncio.create_task(pool.post("t", "/chat/completions", {"messages": []}))
+        await arrival(arrivals)
+        pausing = asyncio.create_task(pool.pause())  # the update starts while `old` is at the server
+        await one_turn()
+        a.gate.set()
+        await asyncio.wait_for(pausing, WAIT)
+        pool.resume(policy_version=4)
+        new = await asyncio.wait_for(pool.post("t", "/chat/completions", {"messages": []}), WAIT)
+        [choice] = old.result()["choices"]
+        assert choice["policy_version"] == choice["message"]["policy_version"] == 3
+        assert new["choices"][0]["policy_version"] == new["choices"][0]["message"]["policy_version"] == 4
+        assert pool.policy_version == 4
+
+        pool.resume()  # a resume without a version keeps the one it had
+        a.stamps = 9  # a server that stamps its own version knows its weights: the pool leaves it
+        assert (await asyncio.wait_for(pool.post("t", "/completions", {}), WAIT))["choices"][0]["policy_version"] == 9
+        assert pool.policy_version == 4
 
 
 async def test_backends_are_added_removed_and_cleared_at_run_time(

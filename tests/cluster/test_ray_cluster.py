@@ -222,9 +222,10 @@ async def test_a_weight_sync_reaches_every_worker_and_holds_their_deadlines(svc:
             while await fleet(svc).llm_waiting() < 2:  # the first turns wait on both nodes' workers
                 await asyncio.sleep(0.05)
         await asyncio.sleep(sync_s)  # the sync itself, longer than the run deadline
-        await client.resume_llm()
+        await client.resume_llm(policy_version=5)
         results = [t for job in jobs for t in (await client.wait(job)).results]
     assert [t.critical_error for t in results] == [None, None], [t.error for t in results]
+    assert [(t.first_policy_version, t.last_policy_version) for t in results] == [(5, 5)] * 2  # the new weights'
     assert all(t.timing.queued >= sync_s and t.timing.run < run_s for t in results), [t.timing for t in results]
 
 
