@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.trajectory import Trajectory
@@ -30,6 +30,11 @@ class JobRequest(BaseModel):
     instance_id: str | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     n: int = Field(1, ge=1, description="samples of this instance (a GRPO group)")
+    stop_at_usable: int | None = Field(
+        None, ge=1, description="early stop: once this many samples are usable (no critical error, nothing masked) "
+        "the others are cancelled and their sandboxes freed, so a straggler does not hold the group; they come back "
+        "as cancelled results. An infrastructure failure never counts as usable",
+    )  # fmt: skip
     job_id: str | None = None
     deadlines: Deadlines = Field(default_factory=Deadlines)
     first_turn_fallback: bool = Field(
@@ -37,6 +42,12 @@ class JobRequest(BaseModel):
         description="a sample that ends before the model's first turn (its sandbox did not start, say) comes back "
         "with that turn generated on the prompt alone and masked: NeMo RL needs a generated token in every result",
     )
+
+    @model_validator(mode="after")
+    def _stop_within_group(self) -> JobRequest:
+        if self.stop_at_usable is not None and self.stop_at_usable > self.n:
+            raise ValueError(f"stop_at_usable must be at most n ({self.n}), got {self.stop_at_usable}")
+        return self
 
     @field_validator("job_id")
     @classmethod

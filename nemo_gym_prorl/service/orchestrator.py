@@ -52,9 +52,12 @@ class ModelSettings(BaseModel):
 
 
 class _LiveJob:
-    def __init__(self) -> None:
+    def __init__(self, stop_at_usable: int | None = None, usable: int = 0) -> None:
         self.rollouts: list[Rollout] = []
         self.finished = asyncio.Condition()
+        self.stop_at_usable = stop_at_usable
+        self.usable = usable  # results a trainer can learn from (Trajectory.mask_reason() is None)
+        self.stopping: asyncio.Task[None] | None = None  # the early stop's cancelling of the rest
 
 
 def sample_seed(base: int, instance_id: str, sample: int) -> int:
@@ -148,7 +151,10 @@ class Orchestrator:
             raise RejectedJob("instance", str(e)) from None
 
     def _start(self, job_id: str, request: JobRequest, env: Environment, instance: TaskInstance, samples: range | list[int]) -> None:
-        live = self._live.setdefault(job_id, _LiveJob())
+        if job_id not in self._live:  # recovered jobs count the usable results they already have
+            usable = sum(1 for t in self.store.results(job_id).values() if t.mask_reason() is None)
+            self._live[job_id] = _LiveJob(request.stop_at_usable, usable)
+        live = self._live[job_id]
         deadlines: dict[Stage, float | None] = {}
         for stage in ("init", "run", "eval"):
             value = getattr(request.deadlines, f"{stage}_s")
@@ -189,18 +195,28 @@ class Orchestrator:
     def _record(self, job_id: str, sample: int, trajectory: Trajectory) -> None:
         if self._closing:  # stopped by the shutdown, not finished: the job stays in flight for `recover`
             return
+        live = self._live.get(job_id)
+        if live is not None and live.stopping is not None and trajectory.critical_error == "cancelled":
+            trajectory.error = f"early stop: {live.usable} of the group's samples were usable (stop_at_usable)"
         self.store.add_result(job_id, sample, trajectory)
         self.finished_rollouts[trajectory.critical_error or "ok"] += 1
         self.reward_sum += trajectory.reward
         self.pool.release(trajectory.trajectory_id)
         progress = self.store.progress(job_id)
-        live = self._live.get(job_id)
+        if live is not None and live.stop_at_usable is not None and trajectory.mask_reason() is None:
+            live.usable += 1
+            if live.usable >= live.stop_at_usable and live.stopping is None:
+                live.stopping = asyncio.get_running_loop().create_task(self._stop_early(live))
         if progress is not None and progress.finished >= progress.n:
             if progress.state == "running":
                 self.store.set_state(job_id, "done")
             self._live.pop(job_id, None)
         if live is not None:
             asyncio.get_running_loop().create_task(self._notify(live))
+
+    async def _stop_early(self, live: _LiveJob) -> None:
+        """The group has enough: cancel its other samples (their sandboxes are freed as for a cancel)."""
+        await asyncio.gather(*(self.pipeline.cancel(r) for r in live.rollouts if not r.finished))
 
     @staticmethod
     async def _notify(live: _LiveJob) -> None:

@@ -26,6 +26,7 @@ from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.models.launcher import ModelServerProcess
 from nemo_gym_prorl.models.standin import standin_argv
 from nemo_gym_prorl.service.client import RolloutClient, ServiceError
+from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
 from nemo_gym_prorl.service.store import JobStore
 
 
@@ -296,6 +297,31 @@ async def test_a_weight_update_between_turns_loses_nothing_and_each_turn_carries
         assert [turn["policy_version"] for turn in trajectory.assistant_turns()] == [0, 1]
         assert (trajectory.first_policy_version, trajectory.last_policy_version) == (0, 1)
         assert contiguity_violation(trajectory.assistant_turns()) is None
+
+
+async def test_a_group_stops_early_once_enough_samples_are_usable(tmp_path: Path) -> None:
+    """n=4 with stop_at_usable=2, two at a time in the run stage: the first two end usable, the two behind them are
+    cancelled at once (not run to the end) and come back as cancelled, saying why; no sandbox is left."""
+    pipeline = PipelineConfig(run=StageConfig(workers=2, deadline_s=600))
+    async with ModelServerProcess(standin_argv(SCRIPT, latency_s=2.0)) as model:
+        config = service_config(model.base_url, tmp_path, pipeline=pipeline)
+        async with run_service(config) as svc, RolloutClient(svc.url) as client:
+            job_id = await client.submit(JobRequest(instance=ROW, n=4, stop_at_usable=2))
+            view = await client.wait(job_id)
+            served = svc.orchestrator.pool.generated.answers
+    usable = [t for t in view.results if t.mask_reason() is None]
+    cancelled = [t for t in view.results if t.critical_error == "cancelled"]
+    assert (view.state, view.finished, len(usable), len(cancelled)) == ("done", 4, 2, 2), [t.error for t in view.results]
+    assert all(t.reward == 1.0 for t in usable)
+    assert all(t.error.startswith("early stop: 2 of the group's samples were usable") for t in cancelled)
+    assert served < 4 * len(SCRIPT)  # the stragglers did not run their turns out
+    assert sandboxes_left() == []
+
+
+async def test_early_stop_asks_for_no_more_than_the_group(instant_model: str, tmp_path: Path) -> None:
+    async with service(instant_model, tmp_path) as svc, httpx.AsyncClient(base_url=svc.url) as http:
+        response = await http.post("/jobs", json={"instance": ROW, "n": 2, "stop_at_usable": 3})
+    assert response.status_code == 422 and "stop_at_usable must be at most n (2), got 3" in response.text
 
 
 async def test_a_model_backend_killed_mid_rollout_is_retried_on_another(tmp_path: Path) -> None:
