@@ -57,6 +57,15 @@ class JobRequest(BaseModel):
         return job_id
 
 
+class Acknowledgement(BaseModel):
+    """A consumer (a trainer, by a name it keeps across its restarts) has taken these samples of a job: its
+    streams (``?consumer=NAME``) skip them from now on, so a restarted trainer gets each result once."""
+
+    model_config = ConfigDict(extra="forbid")
+    consumer: str = Field(pattern=_JOB_ID.pattern)
+    samples: list[int] = Field(min_length=1)
+
+
 class JobView(BaseModel):
     job_id: str
     state: str

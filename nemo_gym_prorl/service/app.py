@@ -4,8 +4,10 @@
   ``/add_llm_server``, ``/clear_llm_server``, ``/cancel``. ``/stop`` pauses the pipeline (queued work waits, work in
   a stage goes on) instead of tearing the server down every training step; ``/start`` resumes it.
 - Non-blocking jobs: ``POST /jobs`` → id; ``GET /jobs/{id}``; ``POST /jobs/{id}/cancel``; ``GET /jobs/{id}/stream``
-  (NDJSON, one line per sample as it finishes).
-- ``POST /llm/pause`` / ``/llm/resume`` (with the new ``policy_version``) for weight sync; ``GET /metrics`` (Prometheus); the OpenAPI document.
+  (NDJSON, one line per sample as it finishes; ``?consumer=NAME`` skips what that consumer acknowledged with
+  ``POST /jobs/{id}/ack``, so a restarted trainer gets each result once).
+- ``POST /llm/pause`` / ``/llm/resume`` (with the new ``policy_version``) for weight sync; ``GET /metrics``
+  (Prometheus); the OpenAPI document.
 - ``/ui/``: the rollout viewer over the stored results, with live plots of the pipeline (``viewer/``).
 - NeMo Gym's agent ``POST /run`` and ``/aggregate_metrics`` live in ``gym_agent.py``.
 
@@ -24,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from nemo_gym_prorl.contracts.job import JobRequest, JobView
+from nemo_gym_prorl.contracts.job import Acknowledgement, JobRequest, JobView
 from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.service.metrics import ServiceMetrics
 from nemo_gym_prorl.service.orchestrator import JobConflict, Orchestrator, RejectedJob
@@ -209,15 +211,26 @@ def create_app(orchestrator: Orchestrator, token: str | None = None, max_body_by
         return view
 
     @app.get("/jobs/{job_id}/stream", dependencies=guarded)
-    async def stream_job(job_id: str) -> StreamingResponse:
+    async def stream_job(
+        job_id: str,
+        consumer: Annotated[str | None, Query(description="skip the samples this consumer acknowledged")] = None,
+    ) -> StreamingResponse:
         if orchestrator.view(job_id, results=False) is None:
             raise HTTPException(404, f"no job {job_id!r}")
 
         async def lines() -> AsyncIterator[bytes]:
-            async for sample, trajectory in orchestrator.stream_json(job_id):
+            async for sample, trajectory in orchestrator.stream_json(job_id, consumer):
                 yield f'{{"sample": {sample}, "trajectory": {trajectory}}}\n'.encode()
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.post("/jobs/{job_id}/ack", dependencies=guarded)
+    async def acknowledge(job_id: str, body: Acknowledgement) -> dict[str, Any]:
+        try:
+            acknowledged = orchestrator.acknowledge(job_id, body.consumer, body.samples)
+        except KeyError:
+            raise HTTPException(404, f"no job {job_id!r}") from None
+        return {"job_id": job_id, "consumer": body.consumer, "acknowledged": sorted(acknowledged)}
 
     # -- weight sync and metrics ---------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Self
 import httpx
 from pydantic import BaseModel
 
-from nemo_gym_prorl.contracts.job import JobRequest, JobView
+from nemo_gym_prorl.contracts.job import Acknowledgement, JobRequest, JobView
 from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.trajectory import Trajectory
 
@@ -53,7 +53,13 @@ class RolloutService(Protocol):
 
     async def cancel(self, job_id: str) -> JobView: ...
 
-    def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]: ...
+    def stream(self, job_id: str, consumer: str | None = None) -> AsyncIterator[tuple[int, Trajectory]]:
+        """(sample, trajectory) as each finishes; for a named `consumer`, without what it acknowledged."""
+        ...
+
+    async def acknowledge(self, job_id: str, consumer: str, samples: list[int]) -> set[int]:
+        """`consumer` took these samples: its later streams (after a restart too) skip them. All it acknowledged."""
+        ...
 
     async def status(self) -> dict[str, Any]:
         """The service's `/status`: stages, live rollouts, jobs, model backends, what has been generated."""
@@ -123,14 +129,15 @@ class RolloutClient:
         # Cancelling a cancelled job changes nothing, so a dropped cancel is resent.
         return JobView.model_validate(await self._call("POST", f"/jobs/{job_id}/cancel", retry=True))
 
-    async def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]:
+    async def stream(self, job_id: str, consumer: str | None = None) -> AsyncIterator[tuple[int, Trajectory]]:
         """(sample, trajectory) as each finishes. A dropped stream is reopened once (again after each new result):
         the service starts a stream with the results finished so far, and those already yielded are skipped."""
         yielded: set[int] = set()
         retried = False
+        params = {"consumer": consumer} if consumer is not None else None
         while True:
             try:
-                async with self._http.stream("GET", f"/jobs/{job_id}/stream") as response:
+                async with self._http.stream("GET", f"/jobs/{job_id}/stream", params=params) as response:
                     if response.status_code >= 400:
                         await response.aread()
                         _raise_for_error(response)
@@ -148,6 +155,11 @@ class RolloutClient:
                 if retried:
                     raise
                 retried = True
+
+    async def acknowledge(self, job_id: str, consumer: str, samples: list[int]) -> set[int]:
+        # acknowledging twice changes nothing, so a dropped one is resent
+        body = Acknowledgement(consumer=consumer, samples=samples).model_dump()
+        return set((await self._call("POST", f"/jobs/{job_id}/ack", body, retry=True))["acknowledged"])
 
     async def wait(self, job_id: str) -> JobView:
         """The job once every sample has finished. The results come from the stream, so they cross the wire once."""
@@ -212,9 +224,12 @@ class LocalRolloutClient:
         await self._orchestrator.cancel(job_id)
         return await self.get(job_id)
 
-    async def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]:
-        async for item in self._orchestrator.stream(job_id):
+    async def stream(self, job_id: str, consumer: str | None = None) -> AsyncIterator[tuple[int, Trajectory]]:
+        async for item in self._orchestrator.stream(job_id, consumer):
             yield item
+
+    async def acknowledge(self, job_id: str, consumer: str, samples: list[int]) -> set[int]:
+        return self._orchestrator.acknowledge(job_id, consumer, samples)
 
     async def status(self) -> dict[str, Any]:
         return self._orchestrator.status()
@@ -255,8 +270,11 @@ class SyncRolloutClient:
     def wait(self, job_id: str) -> JobView:
         return self._loop.run_until_complete(self._client.wait(job_id))
 
-    def stream(self, job_id: str) -> Iterator[tuple[int, Trajectory]]:
-        items = self._client.stream(job_id)
+    def acknowledge(self, job_id: str, consumer: str, samples: list[int]) -> set[int]:
+        return self._loop.run_until_complete(self._client.acknowledge(job_id, consumer, samples))
+
+    def stream(self, job_id: str, consumer: str | None = None) -> Iterator[tuple[int, Trajectory]]:
+        items = self._client.stream(job_id, consumer)
         while True:
             try:
                 yield self._loop.run_until_complete(anext(items))

@@ -256,17 +256,19 @@ class Orchestrator:
         done = [results[sample] for sample in sorted(results)]
         return JobView(job_id=job_id, state=progress.state, n=progress.n, finished=len(done), results=done)
 
-    async def stream(self, job_id: str) -> AsyncIterator[tuple[int, Trajectory]]:
-        """(sample, trajectory) as each finishes, starting with those already finished."""
-        async for sample, text in self.stream_json(job_id):
+    async def stream(self, job_id: str, consumer: str | None = None) -> AsyncIterator[tuple[int, Trajectory]]:
+        """(sample, trajectory) as each finishes, starting with those already finished (and not acknowledged by
+        `consumer`)."""
+        async for sample, text in self.stream_json(job_id, consumer):
             yield sample, Trajectory.model_validate_json(text)
 
-    async def stream_json(self, job_id: str) -> AsyncIterator[tuple[int, str]]:
-        """`stream()` with each trajectory as its stored JSON, for a caller that only sends it on."""
+    async def stream_json(self, job_id: str, consumer: str | None = None) -> AsyncIterator[tuple[int, str]]:
+        """`stream()` with each trajectory as its stored JSON, for a caller that only sends it on; for a named
+        `consumer`, without the samples it has acknowledged."""
         progress = self.store.progress(job_id)
         if progress is None:
             raise KeyError(job_id)
-        sent: set[int] = set()
+        sent: set[int] = self.store.acknowledged(consumer, job_id) if consumer is not None else set()
         while True:
             live = self._live.get(job_id)
             for sample in sorted(self.store.result_samples(job_id) - sent):
@@ -279,6 +281,17 @@ class Orchestrator:
             async with live.finished:
                 if self.store.finished(job_id) == len(sent):
                     await live.finished.wait()
+
+    def acknowledge(self, job_id: str, consumer: str, samples: list[int]) -> set[int]:
+        """Record that `consumer` took these finished samples; all it has acknowledged of the job."""
+        progress = self.store.progress(job_id)
+        if progress is None:
+            raise KeyError(job_id)
+        unfinished = sorted(set(samples) - self.store.result_samples(job_id))
+        if unfinished:
+            raise RejectedJob("samples", f"samples {unfinished} of job {job_id!r} have no result to acknowledge")
+        self.store.acknowledge(consumer, job_id, samples)
+        return self.store.acknowledged(consumer, job_id)
 
     async def close(self) -> None:
         """Stop the pipeline (rollouts it cuts short are not recorded, so a restart recovers their jobs), then

@@ -1,6 +1,7 @@
 """Durable jobs and results: SQLite in WAL mode, so an accepted job or a finished result survives a crash.
 
-Every write commits before the service answers about it. After a restart, finished results are served as before;
+Every write commits before the service answers about it. A consumer (a trainer) acknowledges the results it has
+taken, so a restarted trainer's stream brings only the rest, each result once. After a restart, finished results are served as before;
 jobs that were in flight come back re-queued (their unfinished samples run again) or failed with a clear error,
 as configured — never silently gone.
 """
@@ -34,6 +35,12 @@ CREATE TABLE IF NOT EXISTS results (
     sample INTEGER NOT NULL,
     trajectory TEXT NOT NULL,
     PRIMARY KEY (job_id, sample)
+);
+CREATE TABLE IF NOT EXISTS acknowledged (
+    consumer TEXT NOT NULL,
+    job_id TEXT NOT NULL REFERENCES jobs(job_id),
+    sample INTEGER NOT NULL,
+    PRIMARY KEY (consumer, job_id, sample)
 );
 """
 
@@ -119,6 +126,16 @@ class JobStore:
             "SELECT sample, trajectory FROM results WHERE job_id = ? ORDER BY sample", (job_id,)
         ).fetchall()
         return {sample: Trajectory.model_validate_json(text) for sample, text in rows}
+
+    def acknowledge(self, consumer: str, job_id: str, samples: list[int]) -> None:
+        """`consumer` has what it needs of these samples: its streams skip them from now on, across restarts."""
+        self._db.executemany(
+            "INSERT OR IGNORE INTO acknowledged VALUES (?, ?, ?)", [(consumer, job_id, s) for s in samples]
+        )
+
+    def acknowledged(self, consumer: str, job_id: str) -> set[int]:
+        rows = self._db.execute("SELECT sample FROM acknowledged WHERE consumer = ? AND job_id = ?", (consumer, job_id))
+        return {s for (s,) in rows}
 
     def results_after(self, rowid: int) -> list[tuple[int, str, int, str | None, str]]:
         """Results stored after SQLite row `rowid` (a rewritten result comes again, with a new row id), oldest first:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -322,6 +324,46 @@ async def test_early_stop_asks_for_no_more_than_the_group(instant_model: str, tm
     async with service(instant_model, tmp_path) as svc, httpx.AsyncClient(base_url=svc.url) as http:
         response = await http.post("/jobs", json={"instance": ROW, "n": 2, "stop_at_usable": 3})
     assert response.status_code == 422 and "stop_at_usable must be at most n (2), got 3" in response.text
+
+
+TRAINER = """
+import json, os, sys
+from nemo_gym_prorl.service.client import SyncRolloutClient
+url, job_id, taken, stop_after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+with SyncRolloutClient(url) as client:
+    for count, (sample, trajectory) in enumerate(client.stream(job_id, consumer="trainer"), 1):
+        with open(taken, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "sample": sample, "reward": trajectory.reward}) + "\\n")
+        client.acknowledge(job_id, "trainer", [sample])
+        if count == stop_after:
+            os.kill(os.getpid(), 9)  # the trainer dies mid-job: no cleanup, no goodbye
+"""
+
+
+async def test_a_trainer_killed_and_restarted_gets_every_result_exactly_once(tmp_path: Path) -> None:
+    """A stand-in trainer process takes two results of a job of four, acknowledging each, and is SIGKILLed; the
+    rollouts go on; the restarted trainer, with the same consumer name and job id, gets the other two, none again.
+    Another consumer still gets all four."""
+    taken = tmp_path / "taken.jsonl"
+    async with ModelServerProcess(standin_argv(SCRIPT, latency_s=0.5)) as model:
+        pipeline = PipelineConfig(run=StageConfig(workers=1, deadline_s=600))  # one at a time: the kill is mid-job
+        config = service_config(model.base_url, tmp_path, pipeline=pipeline)
+        async with run_service(config) as svc, RolloutClient(svc.url) as client:
+            job_id = await client.submit(JobRequest(instance=ROW, n=4))
+            for stop_after, exit_code in ((2, -9), (0, 0)):  # killed after two; the restart runs to the end
+                trainer = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", TRAINER, svc.url, job_id, str(taken), str(stop_after)
+                )
+                assert await asyncio.wait_for(trainer.wait(), 120) == exit_code
+            everything = [sample async for sample, _ in client.stream(job_id, consumer="evaluator")]
+            with pytest.raises(ServiceError, match="have no result"):
+                await client.acknowledge(job_id, "trainer", [7])
+    lines = [json.loads(line) for line in taken.read_text().splitlines()]
+    first, second = sorted({line["pid"] for line in lines}, key=[line["pid"] for line in lines].index)
+    assert len([x for x in lines if x["pid"] == first]) == 2
+    assert sorted(line["sample"] for line in lines) == [0, 1, 2, 3]  # each once, across the two trainers
+    assert all(line["reward"] == 1.0 for line in lines)
+    assert sorted(everything) == [0, 1, 2, 3]
 
 
 async def test_a_model_backend_killed_mid_rollout_is_retried_on_another(tmp_path: Path) -> None:
