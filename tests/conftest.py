@@ -65,6 +65,12 @@ def sif(rootfs: Path) -> Path:
     return images.build_sif(rootfs)
 
 
+@pytest.fixture(scope="session")
+def scientific_rootfs(installed: str) -> Path:
+    """The `scientific` image (BigCodeBench's libraries): built once per machine, about three minutes on two cores."""
+    return images.build_rootfs(images.IMAGES["scientific"])
+
+
 @pytest.fixture(scope="module")
 def instant_model() -> Iterator[str]:
     """The stand-in answering SCRIPT at once, one per module."""

@@ -5,12 +5,14 @@ host's configured apt sources (read through apt itself, so `.list` and deb822 fi
 content-addressed: its directory name carries a hash of the suite, the package list and the apt sources, so a
 second call with the same spec returns the same path without building. Builds go to a temp dir beside the cache
 entry and are renamed into place when complete, under a file lock, so concurrent builders never see half a tree.
+`IMAGES` names the specs tasks ask for: `default` (the math, code and SWE tasks) and `scientific` (that plus
+pandas, matplotlib, scikit-learn and the rest of what BigCodeBench's tests import).
 
 The same tree serves both backends: bubblewrap uses the directory itself (`SandboxSpec(image=str(rootfs))`) and
 Apptainer either the directory or `build_sif(rootfs)`, a squashfs image cached next to it.
 
 Cache: `$PRORL_IMAGE_CACHE`, else `~/.cache/nemo-gym-prorl/images`. `python -m nemo_gym_prorl.sandbox.images
---help` (or `prorl image build`) builds from the command line.
+--help` (or `prorl image build [--image scientific]`) builds from the command line.
 """
 
 from __future__ import annotations
@@ -58,6 +60,36 @@ itself offline the way its packaging says: `pip install -e . --no-build-isolatio
 The backends also rely on coreutils' `env` and util-linux's `setpriv` and `prlimit`, which every Debian minbase
 holds."""
 
+SCIENTIFIC_PACKAGES: tuple[str, ...] = (
+    *DEFAULT_PACKAGES,
+    "python3-pandas",
+    "python3-matplotlib",
+    "python3-sklearn",
+    "python3-scipy",
+    "python3-psutil",
+    "python3-seaborn",
+    "python3-wordcloud",
+    "python3-statsmodels",
+    "python3-sympy",
+    "python3-nltk",
+    "python3-requests",
+    "python3-bs4",
+    "python3-lxml",
+    "python3-openpyxl",
+    "python3-pil",
+    "python3-tz",
+    "python3-dateutil",
+    "python3-yaml",
+    "python3-regex",
+    "python3-natsort",
+    "python3-chardet",
+    "python3-xmltodict",
+    "python3-texttable",
+)
+"""BigCodeBench's libraries as far as Debian packages them (its rows' tests import pandas, matplotlib, seaborn,
+scikit-learn, psutil, wordcloud, ...): the default packages plus the scientific stack. Not in Debian 12, so rows
+that need them cannot pass here: tensorflow, keras, librosa, faker, textblob, blake3."""
+
 MANIFEST = "etc/prorl-image.json"
 """Written into every rootfs (relative to its root) once the build completed: the spec and the apt sources."""
 
@@ -91,6 +123,27 @@ class ImageSpec(BaseModel):
     name: str = Field("prorl-base", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="prefix of the cache entry")
     suite: str | None = Field(None, description="Debian suite; None: the host's release (VERSION_CODENAME)")
     packages: tuple[str, ...] = Field(DEFAULT_PACKAGES, description="installed on top of the minbase variant")
+    path_excludes: tuple[str, ...] = Field(
+        (), description="dpkg path-exclude patterns: files of the packages left out, beside docs and manuals"
+    )
+    path_includes: tuple[str, ...] = Field((), description="dpkg path-include patterns kept from `path_excludes`")
+
+
+IMAGES: dict[str, ImageSpec] = {
+    "default": ImageSpec(),
+    "scientific": ImageSpec(
+        name="prorl-scientific",
+        packages=SCIENTIFIC_PACKAGES,
+        # Debian's wordcloud takes its one font from texlive-fonts-extra: 1.6 GB of TeX fonts. Keep that font
+        # (dpkg recreates only an included file's own folder: each folder above it is named) and what TeX's
+        # install scripts read (font maps, encodings), and build no TeX formats (they need the fonts).
+        path_excludes=("/usr/share/texlive/texmf-dist/fonts/*", "/var/lib/tex-common/fmtutil-cnf/texlive/*"),
+        path_includes=tuple(
+            f"/usr/share/texlive/texmf-dist/fonts/{kept}" for kept in ("map*", "enc*", "truetype", "truetype/ascender*")
+        ),
+    ),
+}
+"""The images a task file (a code task's `verifier.image`) or `prorl image build --image NAME` names."""
 
 
 def cache_dir() -> Path:
@@ -161,6 +214,8 @@ def _plan(spec: ImageSpec, cache: Path | None) -> tuple[str, tuple[str, ...], Pa
         "packages": sorted(set(spec.packages)),
         "sources": list(sources),
     }
+    if spec.path_excludes or spec.path_includes:  # absent otherwise: the keys of trees built before stay valid
+        key["paths"] = {"exclude": list(spec.path_excludes), "include": list(spec.path_includes)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return suite, sources, (cache or cache_dir()) / f"{spec.name}-{suite}-{digest}"
 
@@ -242,8 +297,8 @@ def _mmdebstrap(spec: ImageSpec, suite: str, sources: Sequence[str], tree: Path,
         # A mirror snapshot's Release files may be past their Valid-Until date; apt on the host accepts them too.
         '--aptopt=Acquire::Check-Valid-Until "false"',
         '--aptopt=Acquire::Languages "none"',
-        *(f"--dpkgopt=path-exclude={pattern}" for pattern in _DPKG_EXCLUDES),
-        "--dpkgopt=path-include=/usr/share/doc/*/copyright",
+        *(f"--dpkgopt=path-exclude={pattern}" for pattern in (*_DPKG_EXCLUDES, *spec.path_excludes)),
+        *(f"--dpkgopt=path-include={pattern}" for pattern in ("/usr/share/doc/*/copyright", *spec.path_includes)),
         f"--customize-hook={_CUSTOMIZE}",
         suite,
         str(tree),
@@ -284,21 +339,26 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`prorl image build`: build (or find cached) the rootfs, and with `--sif` its SIF; print their paths."""
+    """`prorl image build [--image NAME]`: build (or find cached) the rootfs, and with `--sif` its SIF; print their
+    paths."""
     parser = argparse.ArgumentParser(prog="prorl image build", description=main.__doc__)
-    parser.add_argument("--name", default=ImageSpec.model_fields["name"].default)
+    parser.add_argument(
+        "--image", choices=IMAGES, default="default", help="the named image to start from (default: %(default)s)"
+    )
+    parser.add_argument("--name", default=None, help="cache entry prefix (default: the named image's)")
     parser.add_argument("--suite", default=None, help="Debian suite (default: the host's release)")
     parser.add_argument(
-        "--packages",
-        default=",".join(DEFAULT_PACKAGES),
-        help="comma-separated packages on top of minbase (default: %(default)s)",
+        "--packages", default=None, help="comma-separated packages on top of minbase (default: the named image's)"
     )
     parser.add_argument("--add", default="", help="comma-separated packages added to --packages")
     parser.add_argument("--sif", action="store_true", help="also build the Apptainer SIF")
     parser.add_argument("--cache", type=Path, default=None, help=f"cache dir (default: ${CACHE_ENV} or ~/.cache/...)")
     args = parser.parse_args(argv)
-    packages = [p for p in f"{args.packages},{args.add}".split(",") if p.strip()]
-    spec = ImageSpec(name=args.name, suite=args.suite, packages=tuple(p.strip() for p in packages))
+    named = IMAGES[args.image]
+    listed = named.packages if args.packages is None else args.packages.split(",")
+    packages = tuple(p.strip() for p in [*listed, *args.add.split(",")] if p.strip())
+    chosen = {"name": args.name or named.name, "suite": args.suite or named.suite, "packages": packages}
+    spec = ImageSpec.model_validate(named.model_dump() | chosen)
     try:
         rootfs = build_rootfs(spec, cache=args.cache)
         print(f"rootfs: {rootfs}")

@@ -1,17 +1,18 @@
 """Code problems and their tests, as rows carry them, and how a program's output is judged against them.
 
-Two row shapes. LiveCodeBench's, as NeMo Gym's ``code_gen`` rows carry it: ``verifier_metadata.unit_tests =
-{inputs, outputs, fn_name?}`` (or ``{packed, fn_name?}``: the same JSON zlib-compressed and base64-encoded), where
-no ``fn_name`` means a program reading stdin and writing stdout, and a ``fn_name`` means a function called with
-the JSON values on each line of an input (a method of ``Solution()`` when the program defines ``class
-Solution``). And HumanEval's: ``prompt``, ``entry_point`` and ``test`` holding ``check(candidate)``.
+LiveCodeBench's rows (NeMo Gym's ``code_gen``): ``verifier_metadata.unit_tests = {inputs, outputs, fn_name?}`` (or
+``{packed, fn_name?}``: that JSON zlib-compressed, base64-encoded); no ``fn_name``: a program reading stdin and
+writing stdout; a ``fn_name``: a function called with the JSON values on each line of an input (a method of
+``Solution()`` when the program defines ``class Solution``). HumanEval's: ``prompt``, ``entry_point`` and ``test``
+holding ``check(candidate)``. BigCodeBench's (Gym's ``bigcodebench``): ``verifier_metadata = {code_prompt,
+entry_point, test}``, ``test`` a unittest ``TestCases`` that must run without a failure or an error on the row's
+``code_prompt``, a ``pass`` closing that stub, then the code (as Gym and BigCodeBench's ``calibrated`` run it).
 
-Judging (LiveCodeBench's rules, as Gym applies them). Program output: both texts are stripped and split into
-lines, each line stripped; the line counts must be equal and each pair of lines must agree: the same text, or
-the same yes/no verdict in any case, or the same numbers token by token, where a token written with a decimal
-point or an exponent may differ by 1e-6 absolute or relative. A returned value: equal to the expected JSON value
-(a tuple counting as a list), or, where floats are involved, close by ``math.isclose`` (rel 1e-9, abs 1e-8:
-numpy.allclose's defaults), element by element for a flat list.
+Judging (LiveCodeBench's rules, as Gym applies them). Program output: both texts stripped, split into lines, each
+stripped; as many lines, each pair agreeing: the same text, or the same yes/no in any case, or the same numbers
+token by token, where a token written with a decimal point or an exponent may differ by 1e-6 absolute or relative.
+A returned value: equal to the expected JSON value (a tuple counting as a list), or, where floats are involved,
+close by ``math.isclose`` (rel 1e-9, abs 1e-8: numpy.allclose's defaults), element by element for a flat list.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-ProblemKind = Literal["stdin", "call", "humaneval"]
+ProblemKind = Literal["stdin", "call", "humaneval", "bigcodebench"]
 FLOAT_TOLERANCE = Decimal("1e-6")
 
 
@@ -43,7 +44,10 @@ class CodeProblem(BaseModel):
 
     def program(self, code: str) -> str:
         """The program to run: for HumanEval, the prompt (imports, helpers, signature) and then the code, which
-        either continues the prompt's function (a body) or defines it again."""
+        either continues the prompt's function (a body) or defines it again; for BigCodeBench, its code prompt
+        calibrated as Gym does (the stub closed with ``pass``, so the entry point exists whatever the code holds)."""
+        if self.kind == "bigcodebench":
+            return self.prompt + "\n    pass\n" + code
         if self.kind != "humaneval":
             return code
         body = code if code[:1] in (" ", "\t") else "\n\n" + code
@@ -79,10 +83,15 @@ def problem_from_row(row: dict[str, Any]) -> CodeProblem:
                              f"{len(tests.inputs)} inputs, {len(tests.outputs)} outputs")
         kind: ProblemKind = "call" if tests.fn_name else "stdin"
         return CodeProblem(kind=kind, inputs=tests.inputs, outputs=tests.outputs, fn_name=tests.fn_name)
+    metadata = row.get("verifier_metadata") or {}
+    if isinstance(metadata, dict) and all(isinstance(metadata.get(k), str) for k in ("test", "entry_point")):
+        return CodeProblem(kind="bigcodebench", prompt=str(metadata.get("code_prompt") or ""), test=metadata["test"],
+                           entry_point=metadata["entry_point"])  # fmt: skip
     if all(isinstance(row.get(k), str) for k in ("prompt", "test", "entry_point")):
         return CodeProblem(kind="humaneval", prompt=row["prompt"], test=row["test"], entry_point=row["entry_point"])
-    raise ValueError("the row has no tests: expected verifier_metadata.unit_tests (LiveCodeBench format) or "
-                     "HumanEval's prompt, test and entry_point")
+    raise ValueError("the row has no tests: expected verifier_metadata.unit_tests (LiveCodeBench format), "
+                     "verifier_metadata.test and entry_point (BigCodeBench) or HumanEval's prompt, test and "
+                     "entry_point")
 
 
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)

@@ -1,21 +1,25 @@
 """Code: the model writes a program; it is graded by running unit tests in a fresh sandbox (`grading.py`).
 
-Rows are LiveCodeBench-style (NeMo Gym's ``code_gen`` rows as they are: stdin/stdout or call-based) or
-HumanEval-style (`cases.py`). The agent may try its code in its own sandbox first: the problem is staged as
-``problem.md`` and, with ``verifier.public_tests: N``, the first N tests as ``tests/<i>.in`` /
-``tests/<i>.expected.out`` (``.json`` arguments and return value for call-based rows). Its answer is, in this
-order: a workspace file its final answer names (``solution.py``), the last fenced code block of its final answer,
-the last ``python`` block it wrote during the episode. A task without a ``prompt_template`` takes its first prompt
-from the row's ``responses_create_params`` (Gym rows keep their own prompts).
+Rows are LiveCodeBench-style (NeMo Gym's ``code_gen`` rows as they are: stdin/stdout or call-based),
+HumanEval-style or BigCodeBench's (Gym's ``bigcodebench`` rows: a unittest suite; `cases.py`). The tests run in
+``verifier.image``: BigCodeBench's need the ``scientific`` image's pandas, matplotlib and scikit-learn. The agent
+may try its code in its own sandbox first: the problem is staged as ``problem.md`` and, with
+``verifier.public_tests: N``, the first N tests as ``tests/<i>.in`` / ``tests/<i>.expected.out`` (``.json``
+arguments and return value for call-based rows). Its answer is, in this order: a workspace file its final answer
+names (``solution.py``), the last fenced code block of its final answer, the last ``python`` block it wrote during
+the episode. A task without a ``prompt_template`` takes its first prompt from the row's ``responses_create_params``
+(Gym rows keep their own prompts).
 """
 
 from __future__ import annotations
 
+import asyncio
 import posixpath
 import re
+from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from nemo_gym_prorl.contracts.sandbox import WORKSPACE, SandboxError
 from nemo_gym_prorl.contracts.task import TaskInstance
@@ -23,6 +27,7 @@ from nemo_gym_prorl.envs.base import Episode, Evaluation, Probe, RowError, Submi
 from nemo_gym_prorl.envs.code.cases import CodeProblem, final_code_block, problem_from_row
 from nemo_gym_prorl.envs.code.grading import GradingSettings, grade_program
 from nemo_gym_prorl.envs.row_prompt import GymRowPrompt
+from nemo_gym_prorl.sandbox import images
 
 _FILE_NAME = re.compile(r"^\s*`?((?:/workspace/)?[\w./-]+\.py)`?\s*$")
 _PYTHON_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL)
@@ -30,6 +35,18 @@ _PYTHON_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTAL
 
 class CodeVerifierSettings(GradingSettings):
     public_tests: int = Field(0, ge=0, description="tests staged in the agent's workspace to try its code on")
+    image: str | None = Field(
+        None, description="what the tests run in: an image of sandbox.images.IMAGES by name (`scientific`: pandas, "
+        "matplotlib, scikit-learn, ...), built on first use, or an absolute path to a rootfs directory or a SIF; "
+        "unset: the sandbox backend's default root (the host's Python for bubblewrap)",
+    )  # fmt: skip
+
+    @field_validator("image")
+    @classmethod
+    def _known_image(cls, image: str | None) -> str | None:
+        if image is None or image in images.IMAGES or (Path(image).is_absolute() and Path(image).exists()):
+            return image
+        raise ValueError(f"expected an image name ({', '.join(images.IMAGES)}) or an existing absolute path")
 
 
 def submitted_file(answer: str | None) -> str | None:
@@ -69,8 +86,8 @@ class CodeEnvironment(GymRowPrompt):
             raise RowError(None, str(e)) from None
 
     def probes(self, instance: TaskInstance) -> list[Probe]:
-        """No program (0) and one that does nothing (0); a row's reference solution (HumanEval's
-        ``canonical_solution``, completing its ``prompt``), where it has one, must pass (1)."""
+        """No program (0) and one that does nothing (0); a row's reference solution, where it has one, must pass (1):
+        its ``canonical_solution`` (after HumanEval's ``prompt``, which it completes; BigCodeBench's is whole)."""
         probes = [Probe("empty", {"code": "", "source": "probe"}, 0.0),
                   Probe("does nothing", {"code": "pass\n", "source": "probe"}, 0.0)]  # fmt: skip
         solution = instance.data.get("canonical_solution")
@@ -104,6 +121,14 @@ class CodeEnvironment(GymRowPrompt):
         code, source = submitted_code(episode.answer, episode.messages)
         return {"code": code, "source": source}
 
+    async def image(self) -> str | None:
+        """The root the tests run in (`verifier.image`): a named image's rootfs is built on first use, minutes once
+        per machine (concurrent callers wait for the one build, under the image cache's lock), then found cached."""
+        name = self.settings.image
+        if name not in images.IMAGES:
+            return name
+        return str(await asyncio.to_thread(images.build_rootfs, images.IMAGES[name]))
+
     async def grade(self, instance: TaskInstance, submission: Submission) -> Evaluation:
         problem = self.problem(instance)
         code = submission.get("code")
@@ -113,7 +138,8 @@ class CodeEnvironment(GymRowPrompt):
             reason = submission.get("error") or "no code submitted (no fenced code block, no file named)"
             return Evaluation(reward=0.0, resolved=False, details={"reason": reason})
         evaluation = await grade_program(
-            problem, code, self.settings, sandbox_backend=self.sandbox_backend, limits=self.task.limits
+            problem, code, self.settings, sandbox_backend=self.sandbox_backend, limits=self.task.limits,
+            image=await self.image(),
         )
         evaluation.details |= {"code_source": submission.get("source"), "kind": problem.kind}
         return evaluation

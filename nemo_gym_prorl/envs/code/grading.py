@@ -10,6 +10,7 @@ outputs stay here; only inputs go in.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ PRELUDE = (
     "sys.setrecursionlimit(50000)\nsys.set_int_max_str_digits(0)\n"
 )
 
+_UNITTEST_FAILED = re.compile(r"^\d+ of \d+ tests failed: ")  # the runner's last line when unittest tests failed
 TestStatus = Literal["passed", "wrong_answer", "timeout", "runtime_error", "output_limit", "killed", "not_run"]
 
 
@@ -71,7 +73,8 @@ def _read_results(text: str, ids: list[str]) -> list[list[dict[str, Any]]]:
 
 
 async def _run_batch(
-    problems: list[dict[str, Any]], settings: GradingSettings, sandbox_backend: str, limits: SandboxLimits
+    problems: list[dict[str, Any]], settings: GradingSettings, sandbox_backend: str, limits: SandboxLimits,
+    image: str | None,
 ) -> tuple[list[list[dict[str, Any]]], str]:
     job = {
         "problems": problems,
@@ -82,7 +85,7 @@ async def _run_batch(
     }
     budget = sum(max(1, len(p["inputs"])) for p in problems) * (settings.timeout_s + 0.5) + 15.0
     limits = limits.model_copy(update={"wall_clock_s": budget + 30})
-    async with open_sandbox(sandbox_backend, SandboxSpec(limits=limits, network=False)) as sandbox:
+    async with open_sandbox(sandbox_backend, SandboxSpec(image=image, limits=limits, network=False)) as sandbox:
         await sandbox.write_file(f"{_GRADER_DIR}/runner.py", RUNNER.read_bytes())
         await sandbox.write_file(f"{_GRADER_DIR}/job.json", json.dumps(job).encode())
         ran = await sandbox.run(
@@ -104,9 +107,11 @@ async def run_in_sandbox(
     *,
     sandbox_backend: str = "bwrap",
     limits: SandboxLimits | None = None,
+    image: str | None = None,
 ) -> list[tuple[list[dict[str, Any]] | None, str]]:
     """Raw runner results per submission (None where the runner gave none) and the runner's last words. A
-    submission that kills the runner gets None; those after it run again in a fresh sandbox."""
+    submission that kills the runner gets None; those after it run again in a fresh sandbox. `image`: the sandbox's
+    root (a rootfs directory, a SIF), None for the backend's default."""
     problems = [
         {
             "id": str(i),
@@ -122,7 +127,7 @@ async def run_in_sandbox(
     ]
     out: list[tuple[list[dict[str, Any]] | None, str]] = []
     while problems:
-        trusted, note = await _run_batch(problems, settings, sandbox_backend, limits or SandboxLimits())
+        trusted, note = await _run_batch(problems, settings, sandbox_backend, limits or SandboxLimits(), image)
         out.extend((results, "") for results in trusted)
         if len(trusted) < len(problems):
             out.append((None, note))  # the problem the runner died on
@@ -133,7 +138,7 @@ async def run_in_sandbox(
 def _judge_test(problem: CodeProblem, index: int, raw: dict[str, Any]) -> TestOutcome:
     status, time_s = raw["status"], raw.get("time_s", 0.0)
     if status == "ok":
-        if problem.kind == "humaneval":
+        if problem.kind in ("humaneval", "bigcodebench"):
             return TestOutcome(index=index, status="passed", time_s=time_s)
         expected = problem.outputs[index]
         why = (
@@ -145,9 +150,13 @@ def _judge_test(problem: CodeProblem, index: int, raw: dict[str, Any]) -> TestOu
             return TestOutcome(index=index, status="passed", time_s=time_s)
         return TestOutcome(index=index, status="wrong_answer", detail=why, time_s=time_s)
     tail = (raw.get("stderr") or "").strip()
-    if problem.kind == "humaneval" and status == "runtime_error" and tail.splitlines()[-1:] == ["AssertionError"]:
+    last_line = tail.splitlines()[-1] if tail else ""
+    if problem.kind == "humaneval" and status == "runtime_error" and last_line == "AssertionError":
         return TestOutcome(index=index, status="wrong_answer", detail="an assertion of the tests failed: " + tail[-800:],
                            time_s=time_s)
+    if problem.kind == "bigcodebench" and status == "runtime_error" and _UNITTEST_FAILED.match(last_line):
+        failures = tail.removesuffix(last_line).strip()
+        return TestOutcome(index=index, status="wrong_answer", detail=f"{last_line}\n{failures[:800]}", time_s=time_s)
     detail = {
         "timeout": "time limit exceeded",
         "output_limit": "output limit exceeded",
@@ -195,6 +204,7 @@ async def grade_programs(
     *,
     sandbox_backend: str = "bwrap",
     limits: SandboxLimits | None = None,
+    image: str | None = None,
 ) -> list[Evaluation]:
     """Grade each (problem, code) pair; a None or empty code scores 0 without running anything."""
     runnable = [(i, p, c) for i, (p, c) in enumerate(submissions) if c and c.strip()]
@@ -204,7 +214,7 @@ async def grade_programs(
     ]
     if runnable:
         raw = await run_in_sandbox(
-            [(p, c) for _, p, c in runnable], settings, sandbox_backend=sandbox_backend, limits=limits
+            [(p, c) for _, p, c in runnable], settings, sandbox_backend=sandbox_backend, limits=limits, image=image
         )
         for (i, problem, _), (result, note) in zip(runnable, raw):
             evaluations[i] = judge(problem, result, settings, note)

@@ -56,6 +56,9 @@ def _run_child(problem: dict, test_input: str, workdir: str, job: dict, token_fd
         _redirect(os.path.join(workdir, "stdin.txt"), os.path.join(workdir, "stdout.txt"),
                   os.path.join(workdir, "stderr.txt"))
         kind = problem["kind"]
+        if kind == "bigcodebench":
+            code = _run_unittest(problem, token_fd, token)
+            return  # the finally below exits
         namespace = {"__name__": "__main__" if kind == "stdin" else "solution", "__builtins__": __builtins__}
         if kind != "humaneval" and job.get("prelude"):
             exec(compile(job["prelude"], "prelude.py", "exec"), namespace)
@@ -99,6 +102,34 @@ def _run_child(problem: dict, test_input: str, workdir: str, job: dict, token_fd
         except BaseException:
             pass
         os._exit(code if 0 <= code < 256 else 1)
+
+
+def _run_unittest(problem: dict, token_fd: int, token: str) -> int:
+    """BigCodeBench's way (``bigcodebench.eval.unsafe_execute``): the program and its tests as one module
+    ``__test__`` (``sys``, ``os`` and ``environ`` in scope, the clock in UTC, one BLAS thread, a headless matplotlib),
+    then every test of its ``TestCases``; passed (0, the token written) when none failed or erred, else 1 with the
+    failures on stderr, ending in a line ``N of M tests failed: <their names>``."""
+    import types
+    import unittest
+
+    os.environ.update(TZ="UTC", OMP_NUM_THREADS="1", MPLBACKEND="Agg")
+    time.tzset()
+    module = types.ModuleType("__test__")
+    module.__dict__.update(__file__="__test__.py", sys=sys, os=os, environ=os.environ)
+    exec(compile(problem["program"] + "\n" + problem["test"], "__test__.py", "exec"), module.__dict__)
+    sys.modules["__test__"] = module
+    suite = unittest.TestLoader().loadTestsFromTestCase(module.TestCases)
+    result = unittest.TestResult()
+    suite.run(result)
+    issues = result.failures + result.errors
+    if issues:
+        names = [test.id().split(".")[-1] for test, _ in issues]
+        for name, (_, trace) in zip(names, issues):  # each trace's end: where it failed and why
+            sys.stderr.write("FAIL " + name + ": ..." + trace.strip()[-300:] + "\n")
+        sys.stderr.write(str(len(issues)) + " of " + str(result.testsRun) + " tests failed: " + ", ".join(names) + "\n")
+        return 1
+    os.write(token_fd, token.encode())
+    return 0
 
 
 def _wait(pid: int, timeout_s: float) -> "tuple[int | None, bool, float]":
@@ -273,7 +304,7 @@ def _run_test(problem: dict, test_input: str, workdir: str, job: dict) -> dict:
         result["status"] = "killed"
     elif result["exit_code"] != 0:
         result["status"] = "runtime_error"
-    elif problem["kind"] == "humaneval" and reported != token:
+    elif problem["kind"] in ("humaneval", "bigcodebench") and reported != token:
         result["status"] = "runtime_error"
         result["stderr"] += "\n[the program exited before its tests finished]"
     else:

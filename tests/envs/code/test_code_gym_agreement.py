@@ -1,6 +1,7 @@
 """Our sandboxed code grading against NeMo Gym code_gen's own verifier (LiveCodeBench's check_correctness, run in
-a process of its own as Gym's server runs it) on Gym's example rows and rollouts and on programs made from them.
-Prints the figures; docs/code-and-stem.md states them."""
+a process of its own as Gym's server runs it) on Gym's example rows and rollouts and on programs made from them,
+and against the verdicts Gym's bigcodebench verifier gave its example rollouts. Prints the figures;
+docs/code-and-stem.md states them."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import resources_servers.bigcodebench as bigcodebench
 import resources_servers.code_gen as code_gen
 
-from nemo_gym_prorl.envs.code.cases import problem_from_row
+from nemo_gym_prorl.envs.code.cases import final_code_block, problem_from_row
 from nemo_gym_prorl.envs.code.grading import GradingSettings, grade_programs
 
 DATA = Path(code_gen.__path__[0]) / "data"
@@ -71,3 +73,17 @@ async def test_agreement_with_gym_code_gen_verifier() -> None:
     for what, mine, gyms, details in disagreements:
         print(f"  differs: {what}: ours {mine}, Gym {gyms} ({details.get('reason')})")
     assert not disagreements
+
+
+async def test_agreement_with_gym_bigcodebench_verdicts(scientific_rootfs: Path) -> None:
+    """Gym's bigcodebench verifier cannot run here: its server builds a Python 3.10 venv with uv and installs
+    BigCodeBench's requirements from a URL. Its example rollouts carry the verdicts it gave (three pass, two fail
+    on a test); ours grade the same model outputs, their code taken from the answer our way, in the scientific image."""
+    folder = Path(bigcodebench.__path__[0]) / "data"
+    rows = {row["verifier_metadata"]["task_id"]: row for row in map(json.loads, (folder / "example.jsonl").open())}
+    rollouts = [json.loads(line) for line in (folder / "example_rollouts.jsonl").open()]
+    submissions = [(problem_from_row(rows[r["task_id"]]), final_code_block(r["extracted_model_output"])) for r in rollouts]
+    ours = await grade_programs(submissions, GradingSettings(timeout_s=240), image=str(scientific_rootfs))
+    differs = [(r["task_id"], e.reward, r["reward"], e.details) for r, e in zip(rollouts, ours) if e.reward != r["reward"]]
+    print(f"\nbigcodebench agreement with Gym's verdicts: {len(rollouts) - len(differs)}/{len(rollouts)}")
+    assert sorted(r["reward"] for r in rollouts) == [0.0, 0.0, 1.0, 1.0, 1.0] and not differs, differs
