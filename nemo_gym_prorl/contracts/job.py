@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -11,6 +11,9 @@ from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.trajectory import Trajectory
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+MAX_STALE_RERUNS = 3
+"""How often a stale sample is run again (``on_stale: rerun``) before it is recorded masked: weight updates that
+keep outpacing a rollout would otherwise rerun it for ever."""
 
 
 class Deadlines(BaseModel):
@@ -34,6 +37,14 @@ class JobRequest(BaseModel):
         None, ge=1, description="early stop: once this many samples are usable (no critical error, nothing masked) "
         "the others are cancelled and their sandboxes freed, so a straggler does not hold the group; they come back "
         "as cancelled results. An infrastructure failure never counts as usable",
+    )  # fmt: skip
+    max_version_lag: int | None = Field(
+        None, ge=0, description="staleness bound: a sample whose turns span more weight updates than this (last "
+        "policy version minus first) is stale, handled as `on_stale` says",
+    )  # fmt: skip
+    on_stale: Literal["mask", "rerun"] = Field(
+        "mask", description="mask: recorded with `stale` set (a trainer skips it); rerun: run again from its start, "
+        "at most MAX_STALE_RERUNS times, then masked",
     )  # fmt: skip
     job_id: str | None = None
     deadlines: Deadlines = Field(default_factory=Deadlines)

@@ -79,6 +79,9 @@ class Trajectory(BaseModel):
         "again from it (`prorl reverify`); None when the run never got that far, or for Gym-server tasks",
     )
     reverify: Reverification | None = None
+    stale: str | None = Field(
+        None, description="why its turns span more weight updates than its job's max_version_lag allows (masked)"
+    )
 
     def assistant_turns(self) -> list[dict[str, Any]]:
         return [m for m in self.messages if m.get("role") == "assistant" and "generation_token_ids" in m]
@@ -104,6 +107,8 @@ class Trajectory(BaseModel):
         so (``mask_sample``). NeMo RL reads it as ``mask_sample``; the TRL adapter excludes such samples."""
         if self.critical_error is not None:
             return f"critical_error={self.critical_error}" + (f": {self.error}" if self.error else "")
+        if self.stale is not None:
+            return f"stale: {self.stale}"
         masked = next((m for m in self.messages if m.get("mask")), None)
         if masked is not None:
             return f"a masked turn: {masked.get('contiguity_error') or masked.get('first_turn_only') or 'mask'}"

@@ -8,10 +8,12 @@ rollout through init → run → eval, and each finished trajectory is stored be
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import logging
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -19,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from nemo_gym_prorl.agent.llm_pool import LLMPool
 from nemo_gym_prorl.agent.loop import AgentLoop
 from nemo_gym_prorl.agent.turns import GenerationMode, turn_generator
-from nemo_gym_prorl.contracts.job import JobRequest, JobView
+from nemo_gym_prorl.contracts.job import MAX_STALE_RERUNS, JobRequest, JobView
 from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance, ToolCallFormatName
 from nemo_gym_prorl.contracts.trajectory import Trajectory
@@ -28,6 +30,8 @@ from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.service.pipeline import Rollout, RolloutPipeline, Stage
 from nemo_gym_prorl.service.store import JobState, JobStore, RecoveryPolicy, StoredJob
 from nemo_gym_prorl.tool_calls import tool_call_format
+
+log = logging.getLogger(__name__)
 
 
 class RejectedJob(ValueError):
@@ -52,12 +56,14 @@ class ModelSettings(BaseModel):
 
 
 class _LiveJob:
-    def __init__(self, stop_at_usable: int | None = None, usable: int = 0) -> None:
+    def __init__(self, request: JobRequest, restart: Callable[[list[int]], None], usable: int = 0) -> None:
+        self.request = request
+        self.restart = restart  # runs samples of the job (again)
         self.rollouts: list[Rollout] = []
         self.finished = asyncio.Condition()
-        self.stop_at_usable = stop_at_usable
         self.usable = usable  # results a trainer can learn from (Trajectory.mask_reason() is None)
         self.stopping: asyncio.Task[None] | None = None  # the early stop's cancelling of the rest
+        self.stale_reruns: Counter[int] = Counter()  # per sample
 
 
 def sample_seed(base: int, instance_id: str, sample: int) -> int:
@@ -114,6 +120,7 @@ class Orchestrator:
         self._live: dict[str, _LiveJob] = {}
         self.finished_rollouts: Counter[str] = Counter()
         self.reward_sum = 0.0
+        self.stale_reruns = 0  # rollouts found stale (max_version_lag), whether run again or recorded masked
         self._closing = False
 
     # -- jobs ----------------------------------------------------------------------------------------------------
@@ -153,7 +160,8 @@ class Orchestrator:
     def _start(self, job_id: str, request: JobRequest, env: Environment, instance: TaskInstance, samples: range | list[int]) -> None:
         if job_id not in self._live:  # recovered jobs count the usable results they already have
             usable = sum(1 for t in self.store.results(job_id).values() if t.mask_reason() is None)
-            self._live[job_id] = _LiveJob(request.stop_at_usable, usable)
+            restart = functools.partial(self._start, job_id, request, env, instance)
+            self._live[job_id] = _LiveJob(request, restart, usable)
         live = self._live[job_id]
         deadlines: dict[Stage, float | None] = {}
         for stage in ("init", "run", "eval"):
@@ -198,14 +206,19 @@ class Orchestrator:
         live = self._live.get(job_id)
         if live is not None and live.stopping is not None and trajectory.critical_error == "cancelled":
             trajectory.error = f"early stop: {live.usable} of the group's samples were usable (stop_at_usable)"
+        if live is not None and (stale := self._staleness(live, sample, trajectory)) is not None:
+            if stale == "rerun":
+                return
+            trajectory.stale = stale
         self.store.add_result(job_id, sample, trajectory)
         self.finished_rollouts[trajectory.critical_error or "ok"] += 1
         self.reward_sum += trajectory.reward
         self.pool.release(trajectory.trajectory_id)
         progress = self.store.progress(job_id)
-        if live is not None and live.stop_at_usable is not None and trajectory.mask_reason() is None:
+        stop_at = live.request.stop_at_usable if live is not None else None
+        if live is not None and stop_at is not None and trajectory.mask_reason() is None:
             live.usable += 1
-            if live.usable >= live.stop_at_usable and live.stopping is None:
+            if live.usable >= stop_at and live.stopping is None:
                 live.stopping = asyncio.get_running_loop().create_task(self._stop_early(live))
         if progress is not None and progress.finished >= progress.n:
             if progress.state == "running":
@@ -213,6 +226,24 @@ class Orchestrator:
             self._live.pop(job_id, None)
         if live is not None:
             asyncio.get_running_loop().create_task(self._notify(live))
+
+    def _staleness(self, live: _LiveJob, sample: int, trajectory: Trajectory) -> str | None:
+        """None for a rollout within the job's max_version_lag; else "rerun" (it runs again from its start) or
+        why it is stale (it is recorded masked)."""
+        lag, first, last = live.request.max_version_lag, trajectory.first_policy_version, trajectory.last_policy_version
+        if lag is None or first is None or last is None or last - first <= lag:
+            return None
+        self.stale_reruns += 1
+        reason = f"its turns span policy versions {first} to {last}, more than max_version_lag={lag}"
+        if live.request.on_stale == "rerun" and live.stale_reruns[sample] < MAX_STALE_RERUNS and live.stopping is None:
+            live.stale_reruns[sample] += 1
+            log.info("rollout %s is stale (%s): run again from its start", trajectory.trajectory_id, reason)
+            self.pool.release(trajectory.trajectory_id)
+            live.restart([sample])
+            return "rerun"
+        if live.stale_reruns[sample]:
+            reason += f" (after {live.stale_reruns[sample]} reruns)"
+        return reason
 
     async def _stop_early(self, live: _LiveJob) -> None:
         """The group has enough: cancel its other samples (their sandboxes are freed as for a cancel)."""
@@ -363,5 +394,6 @@ class Orchestrator:
             "llm_backends": [b.model_dump() for b in self.pool.backends()],
             "llm_paused": self.pool.paused,
             "policy_version": self.pool.policy_version,
+            "stale_rollouts": self.stale_reruns,
             **self._where_generated(),
         }

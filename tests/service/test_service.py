@@ -301,6 +301,33 @@ async def test_a_weight_update_between_turns_loses_nothing_and_each_turn_carries
         assert contiguity_violation(trajectory.assistant_turns()) is None
 
 
+@pytest.mark.parametrize("on_stale", ["mask", "rerun"])
+async def test_a_rollout_spanning_more_updates_than_allowed_is_masked_or_run_again(
+    tmp_path: Path, on_stale: str
+) -> None:
+    """max_version_lag=0 and a weight update between the two turns: masked, it comes back saying why; rerun, it
+    runs again from its start on the new weights and comes back whole, every turn of version 1."""
+    async with ModelServerProcess(standin_argv(SCRIPT, latency_s=1.0)) as model:
+        async with run_service(service_config(model.base_url, tmp_path)) as svc, RolloutClient(svc.url) as client:
+            await client.resume_llm(policy_version=0)
+            job_id = await client.submit(JobRequest(instance=ROW, max_version_lag=0, on_stale=on_stale))
+            async with asyncio.timeout(60):  # the first turn is at the model
+                while svc.orchestrator.pool.in_flight < 1:
+                    await asyncio.sleep(0.02)
+            await client.pause_llm()
+            await client.resume_llm(policy_version=1)
+            [trajectory] = (await client.wait(job_id)).results
+            assert (await client.status())["stale_rollouts"] == 1
+    versions = [turn["policy_version"] for turn in trajectory.assistant_turns()]
+    if on_stale == "mask":
+        assert versions == [0, 1]
+        assert trajectory.stale == "its turns span policy versions 0 to 1, more than max_version_lag=0"
+        assert trajectory.mask_reason() == f"stale: {trajectory.stale}"
+    else:
+        assert versions == [1, 1] and trajectory.stale is None and trajectory.mask_reason() is None
+        assert trajectory.reward == 1.0
+
+
 async def test_a_group_stops_early_once_enough_samples_are_usable(tmp_path: Path) -> None:
     """n=4 with stop_at_usable=2, two at a time in the run stage: the first two end usable, the two behind them are
     cancelled at once (not run to the end) and come back as cancelled, saying why; no sandbox is left."""
@@ -313,7 +340,8 @@ async def test_a_group_stops_early_once_enough_samples_are_usable(tmp_path: Path
             served = svc.orchestrator.pool.generated.answers
     usable = [t for t in view.results if t.mask_reason() is None]
     cancelled = [t for t in view.results if t.critical_error == "cancelled"]
-    assert (view.state, view.finished, len(usable), len(cancelled)) == ("done", 4, 2, 2), [t.error for t in view.results]
+    counts = (view.state, view.finished, len(usable), len(cancelled))
+    assert counts == ("done", 4, 2, 2), [t.error for t in view.results]
     assert all(t.reward == 1.0 for t in usable)
     assert all(t.error.startswith("early stop: 2 of the group's samples were usable") for t in cancelled)
     assert served < 4 * len(SCRIPT)  # the stragglers did not run their turns out
