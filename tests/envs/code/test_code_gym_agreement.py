@@ -82,8 +82,10 @@ async def test_agreement_with_gym_bigcodebench_verdicts(scientific_rootfs: Path)
     folder = Path(bigcodebench.__path__[0]) / "data"
     rows = {row["verifier_metadata"]["task_id"]: row for row in map(json.loads, (folder / "example.jsonl").open())}
     rollouts = [json.loads(line) for line in (folder / "example_rollouts.jsonl").open()]
-    submissions = [(problem_from_row(rows[r["task_id"]]), final_code_block(r["extracted_model_output"])) for r in rollouts]
+    submissions = [(problem_from_row(rows[r["task_id"]]), final_code_block(r["extracted_model_output"]))
+                   for r in rollouts]  # fmt: skip
     ours = await grade_programs(submissions, GradingSettings(timeout_s=240), image=str(scientific_rootfs))
-    differs = [(r["task_id"], e.reward, r["reward"], e.details) for r, e in zip(rollouts, ours) if e.reward != r["reward"]]
+    differs = [(r["task_id"], e.reward, r["reward"], e.details)
+               for r, e in zip(rollouts, ours) if e.reward != r["reward"]]  # fmt: skip
     print(f"\nbigcodebench agreement with Gym's verdicts: {len(rollouts) - len(differs)}/{len(rollouts)}")
     assert sorted(r["reward"] for r in rollouts) == [0.0, 0.0, 1.0, 1.0, 1.0] and not differs, differs
