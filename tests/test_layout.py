@@ -21,6 +21,7 @@ LAYERS = [
     {"models"},
     {"envs"},
     {"agent"},
+    {"harness"},
     {"service"},
     {"cluster", "gym", "viewer"},
     {"launch"},

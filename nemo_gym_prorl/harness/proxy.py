@@ -1,0 +1,191 @@
+"""A rollout's model proxy: an HTTP server on a Unix socket of its own, reachable from inside a sandbox without
+network.
+
+The socket's fresh directory is bound into the sandbox (`sandbox_spec`); `connect` starts the loopback forwarder
+(`forwarder.py`) inside, so a harness's ``OPENAI_BASE_URL=http://127.0.0.1:PORT/v1`` reaches this proxy while the
+sandbox's own network namespace (bubblewrap unshares it unless the spec asks for network) reaches nothing else. On
+the host the directory has a random name under one others may pass through but not list: its path is the way in.
+
+The server is uvicorn in the caller's event loop, the caller's signal handlers left alone (many rollouts' proxies
+start and stop out of order; uvicorn's handlers would be restored out of order with them). `close()` stops the
+forwarder (reaped inside the sandbox), then the server, then removes the socket. Usage: docs/harness.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import secrets
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Self
+
+import uvicorn
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from nemo_gym_prorl.contracts.sandbox import BindMount, Sandbox, SandboxSpec
+from nemo_gym_prorl.harness import chat_completions
+from nemo_gym_prorl.harness.calls import ModelCalls
+from nemo_gym_prorl.harness.forwarder import READY_PATH
+
+FORWARDER = Path(__file__).with_name("forwarder.py")
+SOCKET_NAME = "model.sock"
+
+
+class ProxyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    port: int = Field(4000, gt=0, lt=65536, description="the forwarder's port on the sandbox's own loopback")
+    mount_point: str = Field("/.prorl-model", description="where the socket's directory appears in the sandbox")
+    python: str = Field("python3", description="the sandbox's interpreter that runs the forwarder")
+    api_key: str = Field("prorl-proxy", description="OPENAI_API_KEY for the harness (which may insist on one)")
+    forwarder_start_s: float = Field(30.0, gt=0, description="how long connect waits for the forwarder to listen")
+    shutdown_grace_s: float = Field(1.0, ge=0, description="how long close lets a call in flight finish")
+
+
+class ProxyError(RuntimeError):
+    """The proxy could not be reached from the sandbox (its forwarder did not start)."""
+
+
+class _InLoopServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class ModelProxy:
+    """One rollout's proxy in front of `calls` (which records every call the harness makes)."""
+
+    def __init__(self, calls: ModelCalls, config: ProxyConfig | None = None) -> None:
+        self.calls = calls
+        self.config = config or ProxyConfig()
+        self._folder: Path | None = None  # the socket's directory, under a temp dir of its own
+        self._server: _InLoopServer | None = None
+        self._serving: asyncio.Task[None] | None = None
+        self._forwarder: asyncio.Task[Any] | None = None
+        self._ready: asyncio.Future[None] | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        """The socket on the host (started proxies only)."""
+        if self._folder is None:
+            raise ProxyError("the model proxy is not started")
+        return self._folder / SOCKET_NAME
+
+    @property
+    def base_url(self) -> str:
+        """The harness's base URL inside the sandbox."""
+        return f"http://127.0.0.1:{self.config.port}/v1"
+
+    def env(self) -> dict[str, str]:
+        """What points an OpenAI-client harness at this proxy."""
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.config.api_key}
+
+    def sandbox_spec(self, spec: SandboxSpec) -> SandboxSpec:
+        """`spec` with the socket's directory bound in and `env()` in the sandbox's environment."""
+        if spec.network:
+            raise ValueError(
+                "sandbox spec: network must be false for a harness behind the model proxy (the proxy is its only "
+                "way out, and each sandbox's forwarder needs a loopback of its own)"
+            )
+        bind = BindMount(source=str(self.socket_path.parent), target=self.config.mount_point)
+        return spec.model_copy(update={"binds": [*spec.binds, bind], "env": {**spec.env, **self.env()}})
+
+    async def start(self) -> None:
+        if self._folder is not None:
+            raise ProxyError("the model proxy is already started")
+        root = Path(tempfile.mkdtemp(prefix="prorl-proxy-"))
+        self._folder = folder = root / secrets.token_hex(16)
+        try:
+            root.chmod(0o711)  # others may pass through, never list: the folder's name is the way in
+            folder.mkdir()
+            folder.chmod(0o711)
+            shutil.copyfile(FORWARDER, folder / FORWARDER.name)
+            (folder / FORWARDER.name).chmod(0o644)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(str(folder / SOCKET_NAME))
+            (folder / SOCKET_NAME).chmod(0o666)  # the sandbox's host uid connects: the directory guards it
+            sock.listen(128)
+            config = uvicorn.Config(
+                self._app(), log_config=None, log_level="warning", access_log=False, lifespan="off",
+                timeout_graceful_shutdown=self.config.shutdown_grace_s,
+            )  # fmt: skip
+            self._server = _InLoopServer(config)
+            self._serving = asyncio.create_task(self._server.serve(sockets=[sock]))
+        except BaseException:
+            await self.close()
+            raise
+
+    async def connect(self, sandbox: Sandbox, lifetime_s: float) -> None:
+        """Start the forwarder in `sandbox` (started from `sandbox_spec`) and return once it listens. It lives at
+        most `lifetime_s` (the rollout's deadline), and until `close()`."""
+        if self._forwarder is not None:
+            raise ProxyError("the model proxy is already connected to a sandbox")
+        self._ready = asyncio.get_running_loop().create_future()
+        mount = self.config.mount_point
+        argv = [self.config.python, f"{mount}/{FORWARDER.name}", f"{mount}/{SOCKET_NAME}", str(self.config.port)]
+        self._forwarder = forwarder = asyncio.create_task(sandbox.exec(argv, timeout=lifetime_s))
+        await asyncio.wait(
+            {self._ready, forwarder}, timeout=self.config.forwarder_start_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if self._ready.done():
+            return
+        if forwarder.done():
+            result = forwarder.result()
+            raise ProxyError(
+                f"the model forwarder in the sandbox ended (exit {result.exit_code}) before it listened on port "
+                f"{self.config.port}: {result.output.strip()[-500:]}"
+            )
+        await self._stop_forwarder()
+        raise ProxyError(f"the model forwarder in the sandbox did not listen within {self.config.forwarder_start_s:g}s")
+
+    async def close(self) -> None:
+        """Idempotent: the forwarder, the server and the socket's directory are gone when it returns."""
+        await self._stop_forwarder()
+        if self._server is not None and self._serving is not None:
+            self._server.should_exit = True
+            await asyncio.gather(self._serving, return_exceptions=True)
+            self._server = self._serving = None
+        if self._folder is not None:
+            shutil.rmtree(self._folder.parent, ignore_errors=True)
+            self._folder = None
+
+    async def _stop_forwarder(self) -> None:
+        """Cancelling the exec kills the forwarder's process group and reaps it (the sandbox's join helper)."""
+        forwarder, self._forwarder = self._forwarder, None
+        if forwarder is not None:
+            forwarder.cancel()
+            await asyncio.gather(forwarder, return_exceptions=True)
+
+    def _app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", functools.partial(chat_completions.endpoint, self.calls), methods=["POST"]),
+                Route("/v1/models", self._models),
+                Route(READY_PATH, self._forwarder_ready, methods=["POST"]),
+            ]
+        )
+
+    async def _models(self, request: Request) -> Response:
+        model = {"id": self.calls.model, "object": "model", "owned_by": "nemo-gym-prorl"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def _forwarder_ready(self, request: Request) -> Response:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)
+        return Response(status_code=200)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
