@@ -124,8 +124,13 @@ class Environment(ABC):
         """The tools offered; an environment whose rows carry their own tools uses `instance`."""
         return [tool.schema(self.workspace) for tool in self.tools.values()]
 
+    async def sandbox_image(self) -> str | None:
+        """The root of this environment's sandboxes, the agent's and its grader's: None for the backend's default."""
+        return None
+
     async def init(self, instance: TaskInstance) -> Episode:
-        sandbox = open_sandbox(self.sandbox_backend, SandboxSpec(limits=self.task.limits))
+        spec = SandboxSpec(limits=self.task.limits, image=await self.sandbox_image())
+        sandbox = open_sandbox(self.sandbox_backend, spec)
         try:
             await sandbox.start()
             episode = Episode(instance=instance, sandbox=sandbox)

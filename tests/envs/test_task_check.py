@@ -72,7 +72,8 @@ WITHOUT_GOLD = {"code/gym_code_gen_example"}
 
 
 @pytest.mark.parametrize("name", known_tasks())
-async def test_every_shipped_task_grades_gold_answers_1_and_wrong_ones_0(name: str) -> None:
+async def test_every_shipped_task_grades_gold_answers_1_and_wrong_ones_0(name: str, installed: str) -> None:
+    """(`installed`: the image tools, for a task whose named image is built on first use.)"""
     env = make_environment(load_task(name), "bwrap")
     instances = check_rows(env)[: LIMITS.get(name)]
     try:

@@ -2,8 +2,8 @@
 
 Rows are LiveCodeBench-style (NeMo Gym's ``code_gen`` rows as they are: stdin/stdout or call-based),
 HumanEval-style or BigCodeBench's (Gym's ``bigcodebench`` rows: a unittest suite; `cases.py`). The tests run in
-``verifier.image``: BigCodeBench's need the ``scientific`` image's pandas, matplotlib and scikit-learn. The agent
-may try its code in its own sandbox first: the problem is staged as ``problem.md`` and, with
+``verifier.image``, as the agent's own sandbox does: BigCodeBench's need the ``scientific`` image's pandas,
+matplotlib and scikit-learn. The agent may try its code in its sandbox first: the problem is staged as ``problem.md`` and, with
 ``verifier.public_tests: N``, the first N tests as ``tests/<i>.in`` / ``tests/<i>.expected.out`` (``.json``
 arguments and return value for call-based rows). Its answer is, in this order: a workspace file its final answer
 names (``solution.py``), the last fenced code block of its final answer, the last ``python`` block it wrote during
@@ -121,9 +121,10 @@ class CodeEnvironment(GymRowPrompt):
         code, source = submitted_code(episode.answer, episode.messages)
         return {"code": code, "source": source}
 
-    async def image(self) -> str | None:
-        """The root the tests run in (`verifier.image`): a named image's rootfs is built on first use, minutes once
-        per machine (concurrent callers wait for the one build, under the image cache's lock), then found cached."""
+    async def sandbox_image(self) -> str | None:
+        """`verifier.image`, where the agent tries its code and the tests run: a named image's rootfs is built on
+        first use, minutes once per machine (concurrent callers wait for the one build, under the image cache's
+        lock), then found cached."""
         name = self.settings.image
         if name not in images.IMAGES:
             return name
@@ -139,7 +140,7 @@ class CodeEnvironment(GymRowPrompt):
             return Evaluation(reward=0.0, resolved=False, details={"reason": reason})
         evaluation = await grade_program(
             problem, code, self.settings, sandbox_backend=self.sandbox_backend, limits=self.task.limits,
-            image=await self.image(),
+            image=await self.sandbox_image(),
         )
         evaluation.details |= {"code_source": submission.get("source"), "kind": problem.kind}
         return evaluation

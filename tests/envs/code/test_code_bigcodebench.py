@@ -40,7 +40,7 @@ async def test_a_pandas_row_passes_its_gold_in_the_scientific_image_and_not_with
 
 async def test_the_task_grades_a_fenced_answer_in_its_named_image(scientific_rootfs: Path) -> None:
     env = make_environment(TASK, "bwrap")
-    assert await env.image() == str(scientific_rootfs)
+    assert await env.sandbox_image() == str(scientific_rootfs)
     row = ROWS["BigCodeBench/17"]  # psutil
     instance = TaskInstance(instance_id=row["task_id"], data=row)
     answer = "Here it is:\n```python\n" + row["canonical_solution"] + "```\n"
@@ -48,6 +48,17 @@ async def test_the_task_grades_a_fenced_answer_in_its_named_image(scientific_roo
     assert right.reward == 1.0 and right.details["code_source"] == "answer code block", right.details
     body_only = await env.grade(instance, {"answer": "```python\n    return 'Process found.'\n```"})
     assert body_only.reward == 0.0 and body_only.details["reason"] == "wrong_answer"  # calibrated: it still runs
+
+
+async def test_the_agent_tries_its_code_in_the_image_its_tests_run_in(scientific_rootfs: Path) -> None:
+    env = make_environment(TASK, "bwrap")
+    row = ROWS["BigCodeBench/37"]
+    episode = await env.init(TaskInstance(instance_id=row["task_id"], data=row))
+    try:
+        result = await episode.sandbox.exec(["python3", "-c", "import pandas, sklearn, matplotlib; print('ok')"], 60)
+    finally:
+        await env.close(episode)
+    assert result.exit_code == 0 and result.output.strip() == "ok", result
 
 
 @pytest.mark.parametrize(
