@@ -17,9 +17,9 @@ def _lazy(module: str) -> Callable[[list[str]], None]:
     return run
 
 
+_MODULES = {name: name for name in ("model", "pipeline", "scale", "tools", "sandbox", "throughput", "swe", "code")}
 BENCHMARKS: dict[str, Callable[[list[str]], None]] = {
-    name: _lazy(name)
-    for name in ("model", "pipeline", "scale", "tools", "sandbox", "throughput", "swe", "code", "viewer", "train")
+    name: _lazy(module) for name, module in (_MODULES | {"viewer": "viewer", "train": "train", "async": "async_rl"}).items()
 }
 
 

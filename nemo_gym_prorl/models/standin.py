@@ -4,7 +4,9 @@ scripted replies, for benchmarks and fault tests where the model's speed or rand
 The reply to a request is ``script[k]``, k = the number of its own replies already in the conversation (the last
 entry repeats); a task's worked example, an assistant turn it did not write, does not count. Token ids come from the
 real model's tokenizer, so rollouts through it are token-faithful and contiguous exactly as with a real server.
-``latency_s`` simulates generation time and ``max_concurrency`` bounds how many requests are "on the GPU" at once.
+``latency_s`` simulates generation time (``latency_tail``: times a Pareto draw of that shape, capped at 20x, seeded by the
+request's seed and turn: most turns quick, a few many times longer) and ``max_concurrency`` bounds how many requests
+are "on the GPU" at once.
 
 "Instant" means the server's own CPU is as small as it can be, since benchmarks share it between the sides they
 compare: rollouts of one benchmark repeat the same prompts and tool outputs, so rendered templates and
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import random
 import socket
 import sys
 from collections.abc import Iterable
@@ -33,12 +36,16 @@ from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.tool_calls import parse_hermes
 
 
+_TAIL_CAP = 20.0
+
+
 def create_standin_app(
     tokenizer: Tokenizer,
     script: list[str],
     latency_s: float = 0.0,
     max_concurrency: int | None = None,
     hold: bool = False,
+    latency_tail: float | None = None,
 ) -> FastAPI:
     if not script:
         raise ValueError("the stand-in model needs at least one scripted reply")
@@ -93,9 +100,15 @@ def create_standin_app(
         tokens_or_calls = "generation_token_ids" in message or bool(message.get("tool_calls"))
         return tokens_or_calls or not isinstance(content, str) or content in texts
 
-    async def generate(k: int) -> int:
+    def delay(seed: Any, k: int) -> float:
+        if latency_tail is None:
+            return latency_s
+        return latency_s * min(_TAIL_CAP, random.Random(f"{seed}:{k}").paretovariate(latency_tail))
+
+    async def generate(k: int, seed: Any = None) -> int:
         """The index of the reply to give, once the simulated generation is over."""
         app.state.requests += 1
+        wait_s = delay(seed, k)
         if not released.is_set():
             app.state.waiting += 1
             try:
@@ -103,12 +116,12 @@ def create_standin_app(
             finally:
                 app.state.waiting -= 1
         if gate is None:
-            if latency_s:
-                await asyncio.sleep(latency_s)
+            if wait_s:
+                await asyncio.sleep(wait_s)
         else:
             async with gate:
-                if latency_s:
-                    await asyncio.sleep(latency_s)
+                if wait_s:
+                    await asyncio.sleep(wait_s)
         return min(k, len(replies) - 1)
 
     @app.get("/health")
@@ -129,6 +142,9 @@ def create_standin_app(
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": "standin", "object": "model", "owned_by": "nemo-gym-prorl"}]}
 
+    def usage(prompt: list[int], ids: list[int]) -> dict[str, int]:
+        return {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
+
     def json_response(body: dict[str, Any]) -> Response:
         return Response(orjson.dumps(body), media_type="application/json")
 
@@ -136,7 +152,7 @@ def create_standin_app(
     async def completions(request: Request) -> Response:
         body = orjson.loads(await request.body())
         prompt = body["prompt"]
-        k = await generate(turns_in(prompt))
+        k = await generate(turns_in(prompt), body.get("seed"))
         ids = replies[k]
         choice = {
             "index": 0,
@@ -146,14 +162,14 @@ def create_standin_app(
             "logprobs": {"token_logprobs": [-0.1] * len(ids)},
             "finish_reason": "stop",
         }
-        return json_response({"id": "cmpl-standin", "object": "text_completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice], "prompt_token_ids": prompt})
+        return json_response({"id": "cmpl-standin", "object": "text_completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice], "prompt_token_ids": prompt, "usage": usage(prompt, ids)})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = orjson.loads(await request.body())
         messages = body["messages"]
         earlier = [m for m in messages if m.get("role") == "assistant"]
-        k = await generate(trailing(written_here(m) for m in earlier))
+        k = await generate(trailing(written_here(m) for m in earlier), body.get("seed"))
         ids, text = replies[k], reply_texts[k]
         tools = body.get("tools")
         if earlier and "generation_token_ids" in earlier[-1]:
@@ -177,16 +193,22 @@ def create_standin_app(
                 message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
                 finish_reason = "tool_calls"
         choice = {"index": 0, "message": message, "finish_reason": finish_reason}
-        return json_response({"id": "chatcmpl-standin", "object": "chat.completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice]})
+        return json_response({"id": "chatcmpl-standin", "object": "chat.completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice], "usage": usage(prompt, ids)})
 
     return app
 
 
 def standin_argv(
-    script: list[str], latency_s: float = 0.0, max_concurrency: int | None = None, hold: bool = False
+    script: list[str],
+    latency_s: float = 0.0,
+    max_concurrency: int | None = None,
+    hold: bool = False,
+    latency_tail: float | None = None,
 ) -> list[str]:
     """The command that starts this server (for `ModelServerProcess`)."""
     argv = [sys.executable, "-m", "nemo_gym_prorl.models.standin", "--latency-s", str(latency_s)]
+    if latency_tail is not None:
+        argv += ["--latency-tail", str(latency_tail)]
     if max_concurrency:
         argv += ["--max-concurrency", str(max_concurrency)]
     if hold:
@@ -199,12 +221,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--latency-s", type=float, default=0.0)
+    parser.add_argument("--latency-tail", type=float, default=None, help="Pareto shape of each request's latency")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--hold", action="store_true", help="hold every request until POST /control/release")
     parser.add_argument("--script", nargs="+", required=True)
     args = parser.parse_args(argv)
     app = create_standin_app(
-        Tokenizer.from_gguf(default_gguf()), args.script, args.latency_s, args.max_concurrency, args.hold
+        Tokenizer.from_gguf(default_gguf()), args.script, args.latency_s, args.max_concurrency, args.hold,
+        args.latency_tail,
     )
     sock = socket.create_server((args.host, args.port), backlog=4096)
     print(f"{READY_LINE} {sock.getsockname()[1]}", flush=True)

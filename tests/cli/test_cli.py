@@ -358,3 +358,10 @@ def test_a_rollout_stopped_mid_generation_leaves_no_process_behind(
     if stop != signal.SIGKILL:  # after a SIGKILL the next start sweeps them (test_sandbox_leaks)
         assert not list(scratch.glob("prorl-sbx-*"))
     shutil.rmtree(scratch)
+
+
+def test_an_image_build_that_fails_exits_non_zero(tmp_path: Path) -> None:
+    env = {**os.environ, "PRORL_IMAGE_CACHE": str(tmp_path)}
+    result = subprocess.run([*PRORL, "image", "build", "--suite", "no-such-suite"], capture_output=True, text=True,
+                            timeout=300, env=env)  # fmt: skip
+    assert result.returncode == 1 and "error: " in result.stderr, result.stderr[-2000:]

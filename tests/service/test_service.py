@@ -294,7 +294,11 @@ async def test_a_weight_update_between_turns_loses_nothing_and_each_turn_carries
             await client.resume_llm(policy_version=1)
             assert (await client.status())["policy_version"] == 1
             view = await client.wait(job_id)
+            generated = svc.orchestrator.pool.generated
     assert [t.critical_error for t in view.results] == [None, None] and [t.reward for t in view.results] == [1.0, 1.0]
+    # every token the model generated is in a trajectory: the update cut nothing
+    kept = [turn["generation_token_ids"] for t in view.results for turn in t.assistant_turns()]
+    assert (generated.answers, generated.completion_tokens) == (len(kept), sum(map(len, kept)))
     for trajectory in view.results:
         assert [turn["policy_version"] for turn in trajectory.assistant_turns()] == [0, 1]
         assert (trajectory.first_policy_version, trajectory.last_policy_version) == (0, 1)
