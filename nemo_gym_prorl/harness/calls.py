@@ -84,6 +84,7 @@ class ModelCalls:
         self.tool_format = tool_call_format(tool_format)
         self.context_window = context_window
         self.calls: list[ModelCall] = []
+        self._conversations: list[list[tuple[Any, ...]]] = []  # each call's messages and reply, as compared
 
     async def complete(self, request: CallRequest) -> ModelCall:
         """Generate the reply to `request` and record the call; the backend's refusals (`LLMRequestError`,
@@ -99,14 +100,14 @@ class ModelCalls:
             continues=previous.index if previous else None, tool_call_error=error,
         )  # fmt: skip
         self.calls.append(call)
+        self._conversations.append([_canonical(m) for m in [*call.messages, call.reply]])
         return call
 
     def _continued(self, request: CallRequest) -> ModelCall | None:
         """The latest call whose conversation and reply `request` repeats unchanged and then only adds to (tool
         results, user turns: no assistant turn of its own), with the same tools; None when none is."""
         asked = [_canonical(m) for m in request.messages]
-        for call in reversed(self.calls):
-            seen = [_canonical(m) for m in [*call.messages, call.reply]]
+        for call, seen in zip(reversed(self.calls), reversed(self._conversations), strict=True):
             added = asked[len(seen) :]
             fresh = bool(added) and all(role != "assistant" for role, *_ in added)
             if fresh and call.tools == request.tools and asked[: len(seen)] == seen:

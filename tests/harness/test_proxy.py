@@ -19,7 +19,7 @@ from nemo_gym_prorl.agent.turns import PostJSON, http_poster
 from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, contiguity_violation
 from nemo_gym_prorl.harness.calls import ModelCalls
-from nemo_gym_prorl.harness.proxy import ModelProxy
+from nemo_gym_prorl.harness.proxy import ModelProxy, ProxyConfig, ProxyError
 from nemo_gym_prorl.harness.segments import segments
 from nemo_gym_prorl.json_http import JsonHttp
 from nemo_gym_prorl.models.launcher import LocalModelServer
@@ -253,3 +253,12 @@ async def test_a_request_the_proxy_cannot_read_is_a_400_naming_the_field(standin
             assert answer.status_code == 400
             assert answer.json()["error"]["message"].startswith(message), answer.json()
     assert standin_calls.calls == []
+
+
+async def test_a_forwarder_that_cannot_start_is_an_error_naming_why(standin_calls: ModelCalls) -> None:
+    async with ModelProxy(standin_calls, ProxyConfig(python="no-such-python")) as proxy:
+        async with open_sandbox("bwrap", proxy.sandbox_spec(SPEC)) as sandbox:
+            with pytest.raises(ProxyError, match=r"ended \(exit 127\) before it listened on port 4000: no-such-python"):
+                await proxy.connect(sandbox, lifetime_s=SPEC.limits.wall_clock_s)
+        with pytest.raises(ValueError, match="sandbox spec: network must be false"):
+            proxy.sandbox_spec(SPEC.model_copy(update={"network": True}))
