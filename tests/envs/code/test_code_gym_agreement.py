@@ -1,6 +1,6 @@
 """Our sandboxed code grading against NeMo Gym code_gen's own verifier (LiveCodeBench's check_correctness, run in
 a process of its own as Gym's server runs it) on Gym's example rows and rollouts and on programs made from them,
-and against the verdicts Gym's bigcodebench verifier gave its example rollouts. Prints the figures;
+and against the verdicts Gym's bigcodebench and evalplus verifiers gave their example rollouts. Prints the figures;
 docs/code-and-stem.md states them."""
 
 from __future__ import annotations
@@ -10,11 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import resources_servers.bigcodebench as bigcodebench
 import resources_servers.code_gen as code_gen
+import resources_servers.evalplus as evalplus
 
+from nemo_gym_prorl.contracts.task import load_task
 from nemo_gym_prorl.envs.code.cases import final_code_block, problem_from_row
 from nemo_gym_prorl.envs.code.grading import GradingSettings, grade_programs
+from nemo_gym_prorl.envs.dataset import load_instances
 
 DATA = Path(code_gen.__path__[0]) / "data"
 # Gym's verifier forks a multiprocessing Manager and a worker per program. Forked from the test process after the
@@ -89,3 +93,67 @@ async def test_agreement_with_gym_bigcodebench_verdicts(scientific_rootfs: Path)
                for r, e in zip(rollouts, ours) if e.reward != r["reward"]]  # fmt: skip
     print(f"\nbigcodebench agreement with Gym's verdicts: {len(rollouts) - len(differs)}/{len(rollouts)}")
     assert sorted(r["reward"] for r in rollouts) == [0.0, 0.0, 1.0, 1.0, 1.0] and not differs, differs
+
+
+def _evalplus_extraction():
+    """evalplus's extract_code_strict, imported from Gym's server as its server imports it (the server folder on
+    sys.path, for the package-less evalplus_integration its app.py imports)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(evalplus.__path__[0])
+        from resources_servers.evalplus.app import extract_code_strict
+    return extract_code_strict
+
+
+def _drop_comment_lines(reply: str) -> str:
+    return "\n".join(line for line in reply.split("\n") if not line.lstrip().startswith("#"))
+
+
+# Replies made from each rollout's, where the two extractions may part: Gym's takes the last ```python block (a
+# generic ``` one only when there is none), strict (a last python fence left open gives nothing), stripped.
+EVALPLUS_REPLY_SHAPES = {
+    "untagged fence": lambda reply: reply.replace("```python", "```"),
+    "py tag": lambda reply: reply.replace("```python", "```py"),
+    "usage block after the code": lambda reply: reply + "\n\nUsage:\n```\n>>> print(1)\n1\n```",
+    "comment lines dropped": _drop_comment_lines,
+    "cut off in a second block": lambda reply: reply + "\n\nA faster version:\n```python\ndef ",
+}
+
+
+async def test_agreement_with_gym_evalplus_verdicts() -> None:
+    """Gym's evalplus verifier cannot run here: it needs the evalplus package and HumanEval+, which evalplus
+    downloads. Its example rollouts carry its verdicts (`is_correct`, passing_base_tests: all five pass); ours grade
+    the same replies on code/humaneval's rows (HumanEval's base tests), the code taken Gym's way and ours. On replies
+    made from them, where the two extractions part, each extraction is graded by ours."""
+    extract = _evalplus_extraction()
+    humaneval = load_instances(load_task("code/humaneval").dataset)
+    rows = {row.data["task_id"]: problem_from_row(row.data) for row in humaneval}
+    folder = Path(evalplus.__path__[0]) / "data"
+    rollouts = [json.loads(line) for line in (folder / "example_rollouts.jsonl").open()]
+    assert [extract(r["extracted_model_output"]) for r in rollouts] == [r["extracted_model_code"] for r in rollouts]
+    cases = [("rollout", r, r["extracted_model_output"]) for r in rollouts]
+    cases += [(shape, r, make(r["extracted_model_output"])) for shape, make in EVALPLUS_REPLY_SHAPES.items()
+              for r in rollouts]  # fmt: skip
+    submissions = [(rows[r["verifier_metadata"]["task_id"]], code) for _, r, reply in cases
+                   for code in (extract(reply), final_code_block(reply))]  # fmt: skip
+    grades = [e.reward for e in await grade_programs(submissions, GradingSettings(timeout_s=10))]
+    by_gyms_extraction, by_ours = grades[0::2], grades[1::2]
+    rollout_verdicts = [float(r["is_correct"]) for r in rollouts]
+    assert by_gyms_extraction[: len(rollouts)] == by_ours[: len(rollouts)] == rollout_verdicts == [1.0] * 5
+    parted: dict[str, list[tuple[str, float, float]]] = {}
+    for (shape, r, _), gyms, ours in zip(cases, by_gyms_extraction, by_ours):
+        if gyms != ours:
+            parted.setdefault(shape, []).append((r["verifier_metadata"]["task_id"], gyms, ours))
+    print(f"\nevalplus agreement with Gym's verdicts: {len(rollouts)}/{len(rollouts)}; extractions part on "
+          f"{sum(map(len, parted.values()))} of {len(cases) - len(rollouts)} made replies:")
+    for shape, rows_parted in parted.items():
+        print(f"  {shape}: {rows_parted} (task, graded from Gym's extraction, from ours)")
+    # Gym's strict extraction reads no block tagged other than `python` (our humaneval task asks for an untagged
+    # one) and strips a body's first indent (a body whose first line is a statement no longer compiles): ours is
+    # right. A reply cut off in a later python block: Gym keeps nothing (Skills' rule), ours grades the complete
+    # block before it. A usage block after the code: ours grades the last block, as Gym's code_gen does; evalplus's
+    # preference for the python block is right there.
+    verdicts = {shape: (len(found), {(gyms, ours) for _, gyms, ours in found}) for shape, found in parted.items()}
+    assert verdicts == {
+        "untagged fence": (5, {(0.0, 1.0)}), "py tag": (5, {(0.0, 1.0)}), "comment lines dropped": (1, {(0.0, 1.0)}),
+        "cut off in a second block": (5, {(0.0, 1.0)}), "usage block after the code": (5, {(1.0, 0.0)}),
+    }  # fmt: skip
