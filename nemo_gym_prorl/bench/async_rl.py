@@ -138,11 +138,11 @@ async def measure(args: Args) -> list[Run]:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="prorl bench async", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=4, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run")
     parser.add_argument("--groups", type=int, default=4, help="GRPO groups (jobs) per step")
     parser.add_argument("--n", type=int, default=4, help="samples per group")
     parser.add_argument("--train-s", type=float, default=4.0, help="the simulated training step")
-    parser.add_argument("--latency-s", type=float, default=0.4, help="the stand-in's base latency per turn")
+    parser.add_argument("--latency-s", type=float, default=0.25, help="the stand-in's base latency per turn")
     parser.add_argument("--tail", type=float, default=1.5, help="Pareto shape of the latency's long tail")
     parser.add_argument("--rounds", type=int, default=2, help="sync/async pairs, alternating")
     args = Args(**vars(parser.parse_args(argv)))
