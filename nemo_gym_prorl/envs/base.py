@@ -97,14 +97,19 @@ class Environment(ABC):
         system = [{"role": "system", "content": self.task.system_prompt}] if self.task.system_prompt else []
         return [*system, *self.task.example_messages(), {"role": "user", "content": user}]
 
-    def check_row(self, instance: TaskInstance) -> None:
+    def check_row(self, instance: TaskInstance) -> list[dict[str, Any]]:
         """Raise RowError for the first thing this task reads from the row and does not find there, so a task file
-        is refused before anything runs (and the service refuses such a job) rather than failing at eval. Each
-        type adds what its grader reads."""
+        is refused before anything runs (and the service refuses such a job) rather than failing at eval. Returns
+        the first prompt, which rendering checked (the service keeps it with the job)."""
         id_key = self.task.dataset.id_key
         if id_key is not None and instance.data.get(id_key) is None:
             raise RowError("dataset.id_key", f"no column {id_key!r} in the row")
-        self.prompt_messages(instance)
+        prompt = self.prompt_messages(instance)
+        self.check_columns(instance)
+        return prompt
+
+    def check_columns(self, instance: TaskInstance) -> None:
+        """What this task type's grader reads from a row, checked (RowError naming it): nothing here."""
 
     def probes(self, instance: TaskInstance) -> list[Probe]:
         """Submissions of known grade for `instance` (`prorl task check`): its gold answer and answers that must

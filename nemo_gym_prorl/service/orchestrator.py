@@ -152,8 +152,7 @@ class Orchestrator:
         instance_id = request.instance_id or str(request.instance.get(id_key or "", "")) or "instance"
         instance = TaskInstance(instance_id=instance_id, data=request.instance)
         try:  # checked and rendered once, here: a row the task cannot use is refused; init and the loop reuse it
-            env.check_row(instance)
-            return instance.model_copy(update={"prompt": env.prompt_messages(instance)})
+            return instance.model_copy(update={"prompt": env.check_row(instance)})
         except ValueError as e:
             raise RejectedJob("instance", str(e)) from None
 

@@ -78,8 +78,7 @@ class CodeEnvironment(GymRowPrompt):
 
     Settings = CodeVerifierSettings
 
-    def check_row(self, instance: TaskInstance) -> None:
-        super().check_row(instance)
+    def check_columns(self, instance: TaskInstance) -> None:
         try:
             problem_from_row(instance.data)
         except ValueError as e:

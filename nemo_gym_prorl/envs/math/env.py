@@ -36,6 +36,8 @@ _WORKERS = 2
 _TRACE_BLOCKS = [re.compile(r"<think>.*?</think>", re.DOTALL), re.compile(r"<thinking>.*?</thinking>", re.DOTALL)]
 _TRACE_OPENED_BY_TEMPLATE = [re.compile(r"^.*?</think>", re.DOTALL), re.compile(r"^.*?</thinking>", re.DOTALL)]
 _TRACE_LEFT_OPEN = re.compile(r"<think>|<thinking>")
+# A bare \gamma or \Gamma: not a longer command, no subscript, no call (`\Gamma(5)` stays the gamma function).
+_BARE_GAMMA = re.compile(r"\\(?:gamma|Gamma)(?![A-Za-z])(?!\s*(?:[_(]|\\left\b))")
 
 
 class GoldNotMath(ValueError):
@@ -69,6 +71,14 @@ def strip_reasoning(reply: str) -> str:
     return reply[: left_open.start() if left_open else None].strip()
 
 
+def _gamma_as_value(latex: str) -> str:
+    """`latex` with each bare \\gamma/\\Gamma braced with a space, the one form math-verify's LaTeX parser reads as a
+    value (Euler's constant, the same symbol on both sides): bare, it reads the gamma function applied to what
+    follows, so \\gamma-1 is gamma(-1), infinite, and \\gamma=, \\gamma^2, 2\\gamma do not parse, where physics
+    means the Lorentz factor or an adiabatic index (Gym's physics judge leaves those to its LLM judge)."""
+    return _BARE_GAMMA.sub(lambda bare: "{" + bare.group(0) + " }", latex)
+
+
 def gold_as_boxed(expected: str) -> str:
     """The gold answer as the content of a \\boxed{}, its outer math delimiters taken off."""
     text = expected.strip()
@@ -82,13 +92,13 @@ def gold_as_boxed(expected: str) -> str:
 def _grade(answer: str | None, expected: str, timeout: int | None) -> dict[str, Any]:
     if answer is None or not answer.strip():
         return {"reward": 0.0, "resolved": False, "details": {"reason": "no answer submitted"}}
-    gold = parse(gold_as_boxed(expected), _GOLD_CONFIG, parsing_timeout=timeout)
+    gold = parse(_gamma_as_value(gold_as_boxed(expected)), _GOLD_CONFIG, parsing_timeout=timeout)
     if not any(not isinstance(g, str) for g in gold):  # only math-verify's raw-string fallback
         raise GoldNotMath(f"gold answer {_excerpt(expected)} is not parseable by math-verify")
     answer = strip_reasoning(answer)
     if not answer:
         return {"reward": 0.0, "resolved": False, "details": {"reason": "only a reasoning trace"}}
-    predicted = parse(answer, _ANSWER_CONFIG, parsing_timeout=timeout)
+    predicted = parse(_gamma_as_value(answer), _ANSWER_CONFIG, parsing_timeout=timeout)
     if not predicted:
         return {"reward": 0.0, "resolved": False, "details": {"reason": "unparseable answer", "answer": answer}}
     correct = verify(gold, predicted, timeout_seconds=timeout)
@@ -203,8 +213,7 @@ def answer_probes(gold: str) -> list[Probe]:
 class MathEnvironment(Environment):
     Settings = MathSettings
 
-    def check_row(self, instance: TaskInstance) -> None:
-        super().check_row(instance)
+    def check_columns(self, instance: TaskInstance) -> None:
         if instance.data.get(self.settings.answer_key) is None:
             raise RowError("verifier.answer_key", f"no column {self.settings.answer_key!r} in the row")
 

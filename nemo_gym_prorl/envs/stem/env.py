@@ -107,8 +107,7 @@ class StemEnvironment(GymRowPrompt):
 
     Settings = StemVerifierSettings
 
-    def check_row(self, instance: TaskInstance) -> None:
-        super().check_row(instance)
+    def check_columns(self, instance: TaskInstance) -> None:
         row = instance.data
         if is_choice_row(row):
             letters = option_letters(row["options"])
