@@ -140,12 +140,7 @@ def load_task(name: str, search_dirs: Sequence[Path] = ()) -> TaskConfig:
     try:
         task = TaskConfig.model_validate(raw)
     except ValidationError as e:
-        first = e.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        why = first["msg"]
-        if first["type"] == "extra_forbidden":
-            why = f"unknown key; known: {', '.join(_keys_at(first['loc'][:-1]))}"
-        raise TaskConfigError(f"task file {path}: field {field!r}: {why}") from None
+        raise TaskConfigError(f"task file {path}: {field_error(e, TaskConfig)}") from None
     for key in ("path", "validation_path"):
         file = getattr(task.dataset, key)
         if file is not None and not file.is_file():
@@ -154,9 +149,18 @@ def load_task(name: str, search_dirs: Sequence[Path] = ()) -> TaskConfig:
     return task
 
 
-def _keys_at(loc: tuple[Any, ...]) -> list[str]:
-    """The keys a task file may hold at `loc` (() the top, ("limits",) its limits)."""
-    model: type[BaseModel] = TaskConfig
+def field_error(error: ValidationError, model: type[BaseModel], prefix: str = "", show_input: bool = False) -> str:
+    """``field '<prefix><path>': <why>`` for the first error of validating `model` (a task file, or a task type's
+    verifier settings under ``verifier.``): an unknown key lists the keys known there."""
+    first = error.errors()[0]
+    why = first["msg"] + (f", got {first.get('input')!r}" if show_input else "")
+    if first["type"] == "extra_forbidden":
+        why = f"unknown key; known: {', '.join(_keys_at(model, first['loc'][:-1])) or 'none'}"
+    return f"field {prefix + '.'.join(str(p) for p in first['loc'])!r}: {why}"
+
+
+def _keys_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The keys `model` may hold at `loc` (() the top, ("limits",) a task file's limits)."""
     for key in loc:
         annotation = model.model_fields[str(key)].annotation
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):

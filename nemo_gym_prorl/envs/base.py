@@ -17,7 +17,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nemo_gym_prorl.contracts.task import TaskConfig, TaskConfigError, TaskInstance
+from nemo_gym_prorl.contracts.task import TaskConfig, TaskConfigError, TaskInstance, field_error
 from nemo_gym_prorl.sandbox import WORKSPACE, Sandbox, SandboxSpec, backend_forks, open_sandbox
 from nemo_gym_prorl.tool_calls import ToolCall
 from nemo_gym_prorl.tools import ToolOutput, make_tools
@@ -211,10 +211,5 @@ def verifier_settings(model: type[BaseModel], task: TaskConfig) -> BaseModel:
     try:
         return model.model_validate(task.verifier)
     except ValidationError as e:
-        first = e.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        why = f"{first['msg']}, got {first.get('input')!r}"
-        if first["type"] == "extra_forbidden":
-            why = f"unknown key; known: {', '.join(model.model_fields) or 'none'}"
-        raise TaskConfigError(f"{task.origin}: field 'verifier.{key}': {why}") from None
+        raise TaskConfigError(f"{task.origin}: {field_error(e, model, 'verifier.', show_input=True)}") from None
 
