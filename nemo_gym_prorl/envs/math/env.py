@@ -74,7 +74,7 @@ def strip_reasoning(reply: str) -> str:
 def _gamma_as_value(latex: str) -> str:
     """`latex` with each bare \\gamma/\\Gamma braced with a space, the one form math-verify's LaTeX parser reads as a
     value (Euler's constant, the same symbol on both sides): bare, it reads the gamma function applied to what
-    follows, so \\gamma-1 is gamma(-1), infinite, and \\gamma=, \\gamma^2, 2\\gamma do not parse, where physics
+    follows, so \\gamma-1 is gamma(-1), infinite, 2\\gamma is 2, \\gamma= and \\gamma^2 do not parse, where physics
     means the Lorentz factor or an adiabatic index (Gym's physics judge leaves those to its LLM judge)."""
     return _BARE_GAMMA.sub(lambda bare: "{" + bare.group(0) + " }", latex)
 

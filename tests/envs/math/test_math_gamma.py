@@ -1,6 +1,6 @@
 """γ and Γ as physics writes them (the Lorentz factor, the adiabatic index, a decay width): math-verify's LaTeX parser
-reads a bare ``\\gamma`` as the gamma function applied to whatever follows (``\\gamma-1`` is gamma(-1), infinite) and
-fails on ``\\gamma=``, ``\\gamma^2``, ``2\\gamma``; Gym's physics judge then asks an LLM, we have none to ask."""
+reads a bare ``\\gamma`` as the gamma function applied to whatever follows (``\\gamma-1`` is gamma(-1), infinite),
+reads ``2\\gamma`` as 2 and fails on ``\\gamma=``, ``\\gamma^2``; Gym's physics judge then asks an LLM, we have none."""
 
 from __future__ import annotations
 
