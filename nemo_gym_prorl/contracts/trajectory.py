@@ -82,9 +82,33 @@ class Trajectory(BaseModel):
     stale: str | None = Field(
         None, description="why its turns span more weight updates than its job's max_version_lag allows (masked)"
     )
+    segments: list[list[dict[str, Any]]] = Field(
+        default_factory=list,
+        description="an agent harness's model calls as contiguous segments (harness/segments.py), each a list of "
+        "assistant turns with the token fields, in the order each began; empty for our own loop, whose messages "
+        "are its one segment",
+    )
 
     def assistant_turns(self) -> list[dict[str, Any]]:
         return [m for m in self.messages if m.get("role") == "assistant" and "generation_token_ids" in m]
+
+    def training_segments(self) -> list[list[dict[str, Any]]]:
+        """Every run of turns a trainer can take as one token sequence, for both kinds of rollout: a harness's
+        segments, or our own loop's single one (its assistant turns); none when no turn was generated. Each gets
+        the rollout's reward and its group advantage (docs/harness.md#rewards-and-advantages)."""
+        if self.segments:
+            return [segment for segment in self.segments if segment]
+        turns = self.assistant_turns()
+        return [turns] if turns else []
+
+    def final_segment(self) -> list[dict[str, Any]]:
+        """The segment of the rollout's last model call, whose reply ended it (empty when none was generated): what
+        a trainer that takes one sequence per rollout trains on. A harness's turns carry their call number; the
+        segment holding the highest one is the last to have been extended, wherever it began."""
+        found = self.training_segments()
+        if not found:
+            return []
+        return max(enumerate(found), key=lambda indexed: (indexed[1][-1].get("call", -1), indexed[0]))[1]
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -99,12 +123,14 @@ class Trajectory(BaseModel):
         return next((v for v in reversed(self._versions())), None)
 
     def _versions(self) -> list[int]:
-        return [m["policy_version"] for m in self.assistant_turns() if m.get("policy_version") is not None]
+        turns = sorted((m for s in self.training_segments() for m in s), key=lambda m: m.get("call", 0))
+        return [m["policy_version"] for m in turns if m.get("policy_version") is not None]
 
     def mask_reason(self) -> str | None:
         """Why a trainer must not learn from this rollout, or None: it failed for a reason that is not the policy's
-        (``critical_error``), a turn is masked (broken contiguity, a first turn generated alone), or the grader said
-        so (``mask_sample``). NeMo RL reads it as ``mask_sample``; the TRL adapter excludes such samples."""
+        (``critical_error``), a turn is masked (broken contiguity, a first turn generated alone), a segment's tokens
+        break NeMo RL's contiguity rule, or the grader said so (``mask_sample``). NeMo RL reads it as
+        ``mask_sample``; the TRL adapter excludes such samples."""
         if self.critical_error is not None:
             return f"critical_error={self.critical_error}" + (f": {self.error}" if self.error else "")
         if self.stale is not None:
@@ -112,6 +138,10 @@ class Trajectory(BaseModel):
         masked = next((m for m in self.messages if m.get("mask")), None)
         if masked is not None:
             return f"a masked turn: {masked.get('contiguity_error') or masked.get('first_turn_only') or 'mask'}"
+        for i, segment in enumerate(self.training_segments()):
+            broken = contiguity_violation(segment)
+            if broken is not None:
+                return f"segment {i} breaks contiguity: {broken}" if self.segments else f"broken contiguity: {broken}"
         if self.evaluation.get("mask_sample"):
             return f"the grader masked it: {self.evaluation.get('failure_reason') or 'mask_sample'}"
         return None

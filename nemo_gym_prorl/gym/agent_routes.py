@@ -4,7 +4,9 @@
 A row picks one of the service's tasks with ``prorl_task`` (default: the first); every call is a fresh rollout. A
 result always carries what NeMo RL needs: ``mask_sample`` also at ``instance_config.mask_sample``, at least one
 output item with generated tokens (masked when the rollout ended before its first turn), and top-level numbers it
-logs as metrics.
+logs as metrics. NeMo RL takes one contiguous token sequence per result: a harness rollout of several segments
+puts its final segment in ``response.output`` (as NeMo Gym's own token capture delivers one chain per rollout) and
+the others, as output items too, in ``other_segments``.
 
 Design notes: docs/nemo-gym.md#gymagent_routespy
 """
@@ -58,15 +60,33 @@ def row_sampling(params: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**values)
 
 
+def _segment_items(trajectory: Trajectory) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]:
+    """The output items NeMo RL trains on and those of the segments it cannot take. Our own loop's are its
+    conversation (tool results included); a harness's are its final segment's turns (its tool results are in the
+    next prompt's ids) and each other segment's, in the order they began."""
+    if not trajectory.segments:
+        return gym_output_items(trajectory.messages), []
+    final = trajectory.final_segment()
+    others = [segment for segment in trajectory.training_segments() if segment is not final]
+    return gym_output_items(final), [gym_output_items(segment) for segment in others]
+
+
+def _generated(segments: list[list[dict[str, Any]]]) -> int:
+    return sum(len(turn["generation_token_ids"]) for segment in segments for turn in segment)
+
+
 def gym_verify_response(row: GymRunRequest, trajectory: Trajectory, model: str) -> dict[str, Any]:
     verdict = trajectory.evaluation  # what the grader said beside the reward: a Gym server's own mask and failure
     masked = trajectory.mask_reason() is not None
+    output, other_segments = _segment_items(trajectory)
+    segments = trajectory.training_segments()
+    generated = _generated(segments)
     response = {
         "id": f"resp_{trajectory.trajectory_id}",
         "object": "response",
         "created_at": time.time(),
         "model": model,
-        "output": gym_output_items(trajectory.messages),
+        "output": output,
         "parallel_tool_calls": True,
         "tool_choice": "auto",
         "tools": [],
@@ -91,8 +111,12 @@ def gym_verify_response(row: GymRunRequest, trajectory: Trajectory, model: str) 
         "evaluation": trajectory.evaluation,
         "instance_id": trajectory.instance_id,
         "trajectory_id": trajectory.trajectory_id,
+        "other_segments": other_segments,
         # NeMo RL logs every top-level number of a result as a metric (per agent): these, always present.
-        "num_turns": sum(1 for m in trajectory.assistant_turns() if "first_turn_only" not in m),
+        "num_turns": sum(1 for segment in segments for m in segment if "first_turn_only" not in m),
+        "num_segments": len(segments),
+        # the share of generated tokens in response.output (NeMo Gym's token capture reports its delivered_fraction)
+        "delivered_fraction": _generated([trajectory.final_segment()]) / generated if generated else 0.0,
         "num_tool_calls": trajectory.num_tool_calls,
         "num_format_errors": trajectory.num_format_errors,
         "init_time_s": timing.init,

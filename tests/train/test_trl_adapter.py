@@ -96,8 +96,37 @@ def test_reward_function_reads_the_verifier_reward_and_logs_exclusions():
     rewards = verifier_reward(["p", "p"], ["c", "c"], log_metric=logged.__setitem__,
                               **{k: v for k, v in output.items() if k.startswith("prorl_")})  # fmt: skip
     assert rewards == [1.0, None]
-    assert logged == {"prorl/excluded": 0.5, "prorl/multi_turn": 1.0}
+    assert logged == {"prorl/excluded": 0.5, "prorl/multi_turn": 1.0, "prorl/multi_segment": 0.0,
+                      "prorl/delivered_fraction": 1.0}  # fmt: skip
     assert output[TURNS_FIELD] == [2, 0] and output[REWARD_FIELD] == [1.0, None]
+
+
+def compacted(**fields) -> Trajectory:
+    """A harness rollout: two calls that extend each other, then a call on a compacted history [1 2 30] (call 2)."""
+    first = [{**turn([1, 2, 3], [4, 5]), "call": 0}, {**turn([1, 2, 3, 4, 5, 6], [7, EOS]), "call": 1}]
+    after = [{**turn([1, 2, 30], [31, 32, EOS]), "call": 2}]
+    return Trajectory(instance_id="i", trajectory_id="j:0", segments=[first, after], reward=1.0, **fields)
+
+
+def test_a_rollout_of_several_segments_trains_on_its_final_one_with_the_rollouts_reward():
+    sample = trajectory_sample(compacted(), EOS, policy_version=0)
+    assert (sample.prompt_ids, sample.completion_ids, sample.env_mask) == ([1, 2, 30], [31, 32, EOS], [1, 1, 1])
+    assert sample.logprobs == [-0.5, -1.5, -2.5]
+    assert sample.reward == 1.0 and sample.excluded is None
+    assert sample.segments == 2 and sample.delivered_fraction == 3 / 7  # 4 generated tokens do not train
+    output = rollout_output([sample, trajectory_sample(two_turns(), EOS)])
+    logged = {}
+    verifier_reward(["p", "p"], ["c", "c"], log_metric=logged.__setitem__,
+                    **{k: v for k, v in output.items() if k.startswith("prorl_")})  # fmt: skip
+    assert logged["prorl/multi_segment"] == 0.5 and logged["prorl/delivered_fraction"] == (3 / 7 + 1) / 2
+
+
+def test_a_segment_that_breaks_contiguity_excludes_the_whole_rollout():
+    trajectory = compacted()
+    trajectory.segments[0][1]["generation_log_probs"] = [-0.5]  # one log-prob for two tokens, in a segment not trained
+    sample = trajectory_sample(trajectory, EOS)
+    assert sample.reward is None and sample.env_mask == [0]
+    assert sample.excluded == "segment 0 breaks contiguity: turn 1: 1 log-probs for 2 generated tokens"
 
 
 def test_prompts_arrive_as_whole_groups():
