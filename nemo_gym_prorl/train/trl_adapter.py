@@ -1,23 +1,16 @@
 """Our trajectories as TRL GRPO samples, and TRL's ``rollout_func`` over the rollout service.
 
-A multi-turn trajectory becomes one sample: ``prompt_ids`` are its first turn's prompt; ``completion_ids`` are every
-token after it in the order the contiguity rule lays them out (a generation, the environment's tokens that the next
-prompt adds, the next generation, ...); ``env_mask`` is 1 exactly on generated tokens, so the loss never trains on a
-tool's output; ``logprobs`` are the service's log-probs of the generated tokens and NaN on environment tokens (no
-model produced them; TRL reads NaN there as "no sampling log-prob"). The reward is the task verifier's, carried as
-an extra field and read back by `verifier_reward`.
+A multi-turn trajectory becomes one sample: ``prompt_ids`` are its first turn's prompt; ``completion_ids`` every
+token after it as the contiguity rule lays them out; ``env_mask`` is 1 exactly on generated tokens, so the loss
+never trains on a tool's output; ``logprobs`` are the service's, NaN on environment tokens (TRL reads NaN as "no
+sampling log-prob"). The verifier's reward rides as an extra field, read back by `verifier_reward`.
 
-An agent harness's rollout of several segments (`Trajectory.segments`) trains on its final segment alone: TRL's
-rollout_func returns exactly one sample per prompt it was handed (its GRPO groups are fixed runs of
-num_generations samples), so a rollout cannot become one sample per segment; its reward and group advantage are the
-rollout's, as for any other sample. How often that happens and the share of its generated tokens a sample keeps
-are logged (`prorl/multi_segment`, `prorl/delivered_fraction`, as NeMo Gym's token capture reports its own).
+A harness rollout of several segments trains on its final segment alone, since TRL's rollout_func returns exactly
+one sample per prompt (logged as `prorl/multi_segment`, `prorl/delivered_fraction`; docs/harness.md says why).
 
-A rollout that must not train (`Trajectory.mask_reason`: an infrastructure failure, a masked turn or a segment that
-breaks contiguity, a grader's mask) is excluded rather than scored 0: its reward is None, which TRL leaves out of
-the group's mean and std and gives zero advantage, and its sample is a one-token placeholder with ``env_mask`` 0, so
-it adds nothing to the loss or to the token count the loss is normalised by. A 0 would teach the policy that a
-killed sandbox was its fault.
+A rollout that must not train (`Trajectory.mask_reason`) is excluded rather than scored 0: its reward is None,
+which TRL leaves out of the group's mean and std, and its sample is a one-token placeholder with ``env_mask`` 0.
+A 0 would teach the policy that a killed sandbox was its fault.
 """
 
 from __future__ import annotations
