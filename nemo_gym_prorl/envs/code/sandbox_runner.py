@@ -2,10 +2,12 @@
 
     PRORL_GRADING_SANDBOX=1 python3 -I sandbox_runner.py JOB.json RESULTS.jsonl
 
-Standard library only. Each test is a child forked off this runner, in a session of its own, with its output file
-and CPU time bounded and real files on fds 0/1/2; after each problem every other process of the sandbox is killed,
-and only then are its results written (one JSON line per problem). Expected outputs never enter the sandbox:
-outputs and return values come back raw and are judged outside (`grading.py`).
+Standard library only, and few modules of it (their imports are most of a grading sandbox's start). Each program
+runs in a process forked off this runner, in a session of its own, with its output file and CPU time bounded; its
+tests run there one after another, each with real files on fds 0/1/2 and a wall-clock limit this runner enforces
+(a test that kills or hangs its process ends it; the next test gets a new one). After each problem every other
+process of the sandbox is killed, and only then are its results written (one JSON line per problem). Expected
+outputs never enter the sandbox: outputs and return values come back raw and are judged outside (`grading.py`).
 
 Design notes (the job and result shapes): docs/code-and-stem.md#envscodesandbox_runnerpy
 """
@@ -13,13 +15,10 @@ Design notes (the job and result shapes): docs/code-and-stem.md#envscodesandbox_
 import json
 import os
 import resource
-import secrets
 import select
-import shutil
 import signal
 import sys
 import time
-import traceback
 
 _STDERR_TAIL = 2000
 SANDBOX_MARKER = "PRORL_GRADING_SANDBOX"
@@ -29,8 +28,13 @@ def _limit_self(output_cap: int, cpu_s: int) -> None:
     os.setsid()
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; past the output cap the kernel stops us
     resource.setrlimit(resource.RLIMIT_FSIZE, (output_cap, output_cap))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _cpu_used() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _redirect(stdin_path: str, stdout_path: str, stderr_path: str) -> None:
@@ -47,67 +51,105 @@ def _redirect(stdin_path: str, stdout_path: str, stderr_path: str) -> None:
     sys.stderr = open(2, "w", closefd=False)
 
 
-def _run_child(problem: dict, test_input: str, workdir: str, job: dict, token_fd: int, token: str) -> None:
-    """In the forked child: limits, real stdio, then the program. Never returns."""
-    code = 1
+def _send(fd: int, nonce: str, message: dict) -> None:
+    data = (nonce + " " + json.dumps(message) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _program_process(problem: dict, job: dict, workdir: str, start: int, report_fd: int, nonce: str) -> None:
+    """In the forked child: the program's tests from `start` on, one after another in this one process (as
+    LiveCodeBench runs them; a fork a test costs more than most tests), each in a namespace of its own with real
+    files on fds 0/1/2, announced and reported on `report_fd`. Never returns."""
+    code = 0
     try:
-        _limit_self(job["output_cap_bytes"], int(job["timeout_s"]) + 1)
+        inputs = problem.get("inputs") or [""]
+        timeout_s = job["timeout_s"]
+        cpu_cap = int(_cpu_used() + (len(inputs) - start) * (timeout_s + 1)) + 2
+        _limit_self(job["output_cap_bytes"], cpu_cap)
         os.chdir(workdir)
-        _redirect(os.path.join(workdir, "stdin.txt"), os.path.join(workdir, "stdout.txt"),
-                  os.path.join(workdir, "stderr.txt"))
-        kind = problem["kind"]
+        base: dict = {"__builtins__": __builtins__}
+        if problem["kind"] != "humaneval" and job.get("prelude"):
+            exec(compile(job["prelude"], "prelude.py", "exec"), base)
+        program: list = []  # the compiled program, once
+        for i in range(start, len(inputs)):
+            _send(report_fd, nonce, {"start": i})
+            soft = min(cpu_cap, int(_cpu_used() + timeout_s) + 1)
+            resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_cap))
+            _send(report_fd, nonce, {"result": i, **_test_in_process(problem, i, workdir, base, program, job["output_cap_bytes"])})
+    except BaseException:
+        code = 70  # this runner's own failure, told on the test's stderr
+        try:
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+        except BaseException:
+            pass
+    finally:
+        os._exit(code)
+
+
+def _test_in_process(problem: dict, i: int, workdir: str, base: dict, program: list, output_cap: int) -> dict:
+    """Test `i` here; what it printed, returned and raised, and whether it got to the end."""
+    stdout_path, stderr_path = os.path.join(workdir, "stdout.txt"), os.path.join(workdir, "stderr.txt")
+    _redirect(os.path.join(workdir, f"in-{i}.txt"), stdout_path, stderr_path)
+    kind, exit_code, completed, value = problem["kind"], 0, False, None
+    started = time.monotonic()
+    try:
         if kind == "bigcodebench":
-            code = _run_unittest(problem, token_fd, token)
-            return  # the finally below exits
-        namespace = {"__name__": "__main__" if kind == "stdin" else "solution", "__builtins__": __builtins__}
-        if kind != "humaneval" and job.get("prelude"):
-            exec(compile(job["prelude"], "prelude.py", "exec"), namespace)
-        compiled = compile(problem["program"], "solution.py", "exec")
-        if kind == "stdin":
-            sys.argv = ["solution.py"]
-            exec(compiled, namespace)
-        elif kind == "call":
-            exec(compiled, namespace)
-            fn_name = problem["fn_name"]
-            if "class Solution" in problem["program"] and "Solution" in namespace:  # LeetCode style
-                fn = getattr(namespace["Solution"](), fn_name, None)
-            else:
-                fn = namespace.get(fn_name)
-            if fn is None:
-                raise NameError(f"the program defines no {fn_name!r}")
-            args = [json.loads(line) for line in test_input.split("\n") if line.strip()]
-            value = fn(*args)
-            with open(os.path.join(workdir, "return.json"), "w") as out:
-                json.dump(value, out, default=repr)
-        else:  # humaneval
-            exec(compiled, namespace)
-            exec(compile(problem["test"], "test.py", "exec"), namespace)
-            namespace["check"](namespace[problem["entry_point"]])
-            os.write(token_fd, token.encode())
-        code = 0
+            completed = _run_unittest(problem) == 0
+            exit_code = 0 if completed else 1
+        else:
+            if not program:
+                program.append(compile(problem["program"], "solution.py", "exec"))
+            namespace = dict(base, __name__="__main__" if kind == "stdin" else "solution")
+            if kind == "stdin":
+                sys.argv = ["solution.py"]
+                exec(program[0], namespace)
+            elif kind == "call":
+                exec(program[0], namespace)
+                fn_name = problem["fn_name"]
+                if "class Solution" in problem["program"] and "Solution" in namespace:  # LeetCode style
+                    fn = getattr(namespace["Solution"](), fn_name, None)
+                else:
+                    fn = namespace.get(fn_name)
+                if fn is None:
+                    raise NameError(f"the program defines no {fn_name!r}")
+                with open(os.path.join(workdir, f"in-{i}.txt")) as f:
+                    args = [json.loads(line) for line in f.read().split("\n") if line.strip()]
+                value = json.dumps(fn(*args), default=repr)
+            else:  # humaneval
+                exec(program[0], namespace)
+                exec(compile(problem["test"], "test.py", "exec"), namespace)
+                namespace["check"](namespace[problem["entry_point"]])
+                completed = True
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        exit_code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException as e:
         try:  # the program's own frames, not this runner's
+            import traceback
+
             frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
             sys.stderr.write("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
                              + "".join(traceback.format_exception_only(type(e), e)))
         except BaseException:
             pass
-        code = 1
-    finally:
+        exit_code = 1
+    elapsed = time.monotonic() - started
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            stream.flush()
         except BaseException:
             pass
-        os._exit(code if 0 <= code < 256 else 1)
+    return {"exit_code": exit_code if 0 <= exit_code < 256 else 1, "completed": completed, "return_json": value,
+            "time_s": round(elapsed, 4), "output": _read(stdout_path, output_cap), "stderr": _tail(stderr_path)}
 
 
-def _run_unittest(problem: dict, token_fd: int, token: str) -> int:
+def _run_unittest(problem: dict) -> int:
     """BigCodeBench's way (``bigcodebench.eval.unsafe_execute``): the program and its tests as one module
     ``__test__`` (``sys``, ``os`` and ``environ`` in scope, the clock in UTC, one BLAS thread, a headless matplotlib),
-    then every test of its ``TestCases``; passed (0, the token written) when none failed or erred, else 1 with the
+    then every test of its ``TestCases``; passed (0) when none failed or erred, else 1 with the
     failures on stderr, ending in a line ``N of M tests failed: <their names>``."""
     import types
     import unittest
@@ -128,26 +170,7 @@ def _run_unittest(problem: dict, token_fd: int, token: str) -> int:
             sys.stderr.write("FAIL " + name + ": ..." + trace.strip()[-300:] + "\n")
         sys.stderr.write(str(len(issues)) + " of " + str(result.testsRun) + " tests failed: " + ", ".join(names) + "\n")
         return 1
-    os.write(token_fd, token.encode())
     return 0
-
-
-def _wait(pid: int, timeout_s: float) -> "tuple[int | None, bool, float]":
-    """(wait status, timed out, seconds) of child `pid`; a child past `timeout_s` is killed with its group."""
-    start = time.monotonic()
-    pidfd = os.pidfd_open(pid)
-    try:
-        ready, _, _ = select.select([pidfd], [], [], timeout_s)
-    finally:
-        os.close(pidfd)
-    timed_out = not ready
-    if timed_out:
-        _kill_group(pid)
-    _, status = os.waitpid(pid, 0)
-    elapsed = time.monotonic() - start
-    _kill_group(pid)  # whatever the test left running in its group
-    _wait_until_group_gone(pid)
-    return status, timed_out, elapsed
 
 
 def _wait_until_group_gone(pgid: int, within_s: float = 10.0) -> None:
@@ -261,40 +284,13 @@ def _tail(path: str) -> str:
         return ""
 
 
-def _run_test(problem: dict, test_input: str, workdir: str, job: dict) -> dict:
-    for name in ("stdout.txt", "stderr.txt", "return.json"):
-        try:
-            os.unlink(os.path.join(workdir, name))
-        except FileNotFoundError:
-            pass
-    with open(os.path.join(workdir, "stdin.txt"), "w") as f:
-        f.write(test_input)
-    token = secrets.token_hex(16)
-    read_end, write_end = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        _run_child(problem, test_input, workdir, job, write_end, token)
-    os.close(write_end)
-    status, timed_out, elapsed = _wait(pid, job["timeout_s"])
-    os.set_blocking(read_end, False)  # a process the test left alive may hold the write end open
-    try:
-        reported = os.read(read_end, 64).decode(errors="replace")
-    except BlockingIOError:
-        reported = ""
-    os.close(read_end)
-    result = {
-        "output": _read(os.path.join(workdir, "stdout.txt"), job["output_cap_bytes"]),
-        "stderr": _tail(os.path.join(workdir, "stderr.txt")),
-        "time_s": round(elapsed, 4),
-        "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-        "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-    }
+def _status(problem: dict, facts: dict) -> dict:
+    """A test's result: what its process reported or left (`facts`), and how it ended."""
+    result = {"output": facts.get("output", ""), "stderr": facts.get("stderr", ""), "time_s": facts["time_s"],
+              "exit_code": facts.get("exit_code"), "signal": facts.get("signal")}
     if problem["kind"] == "call":
-        result["return_json"] = _read(os.path.join(workdir, "return.json"), job["output_cap_bytes"]) or None
-    if timed_out:
+        result["return_json"] = facts.get("return_json")
+    if facts.get("timed_out"):
         result["status"] = "timeout"
     elif result["signal"] == signal.SIGXFSZ:
         result["status"] = "output_limit"
@@ -304,7 +300,7 @@ def _run_test(problem: dict, test_input: str, workdir: str, job: dict) -> dict:
         result["status"] = "killed"
     elif result["exit_code"] != 0:
         result["status"] = "runtime_error"
-    elif problem["kind"] in ("humaneval", "bigcodebench") and reported != token:
+    elif problem["kind"] in ("humaneval", "bigcodebench") and not facts.get("completed"):
         result["status"] = "runtime_error"
         result["stderr"] += "\n[the program exited before its tests finished]"
     else:
@@ -312,23 +308,122 @@ def _run_test(problem: dict, test_input: str, workdir: str, job: dict) -> dict:
     return result
 
 
-def _run_problem(problem: dict, job: dict, root: str) -> list:
-    workdir = os.path.join(root, "p-" + secrets.token_hex(6))
-    os.mkdir(workdir, 0o700)
-    results = []
+def _failed(problem: dict, i: int, result: dict) -> bool:
+    line_counts = problem.get("line_counts") or []
+    return result["status"] != "ok" or (
+        i < len(line_counts) and len(result["output"].strip().split("\n")) != line_counts[i]
+    )
+
+
+def _outputs(workdir: str, job: dict) -> dict:
+    return {"output": _read(os.path.join(workdir, "stdout.txt"), job["output_cap_bytes"]),
+            "stderr": _tail(os.path.join(workdir, "stderr.txt"))}
+
+
+def _run_program(problem: dict, job: dict, workdir: str, start: int) -> "tuple[list, bool]":
+    """Tests from `start` on in one program process: their results, and whether to stop (a failure under
+    stop_on_failure). It ends early where a test kills it or overruns its wall-clock limit (then killed with its
+    group); the caller starts another for the tests after that one."""
+    nonce = os.urandom(16).hex()
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        _program_process(problem, job, workdir, start, write_end, nonce)
+    os.close(write_end)
+    os.set_blocking(read_end, False)  # a process the program left alive may hold the write end open
+    pidfd = os.pidfd_open(pid)
+    results, current, started, pending, stop, exited = [], None, 0.0, b"", False, False
     try:
-        line_counts = problem.get("line_counts") or []
-        for i, test_input in enumerate(problem.get("inputs") or [""]):
-            result = _run_test(problem, test_input, workdir, job)
-            results.append(result)
-            if job.get("stop_on_failure", True) and (
-                result["status"] != "ok"
-                or (i < len(line_counts) and len(result["output"].strip().split("\n")) != line_counts[i])
-            ):
+        while not stop:
+            wait_s = None if current is None else max(0.0, started + job["timeout_s"] - time.monotonic())
+            ready, _, _ = select.select([read_end, pidfd], [], [], wait_s)
+            if not ready:  # the current test overran its limit
+                _kill_group(pid)
+                results.append(_status(problem, {**_outputs(workdir, job), "timed_out": True,
+                                                 "time_s": round(time.monotonic() - started, 4)}))
+                stop = job.get("stop_on_failure", True)
+                current = None
+                break
+            exited = pidfd in ready
+            try:
+                while True:
+                    chunk = os.read(read_end, 1 << 16)
+                    if not chunk:
+                        break
+                    pending += chunk
+            except BlockingIOError:
+                pass
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                word, _, body = line.partition(b" ")
+                if word.decode(errors="replace") != nonce:
+                    continue
+                message = json.loads(body)
+                if "start" in message:
+                    current, started = message["start"], time.monotonic()
+                elif message.get("result") == current:
+                    result = _status(problem, message)
+                    results.append(result)
+                    stop = job.get("stop_on_failure", True) and _failed(problem, current, result)
+                    current = None
+                    if stop:
+                        break
+            if exited:
+                break
+        _kill_group(pid)
+        _, status = os.waitpid(pid, 0)
+        if current is not None:  # the test that ended its process
+            facts = {**_outputs(workdir, job), "time_s": round(time.monotonic() - started, 4),
+                     "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+                     "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None}
+            results.append(_status(problem, facts))
+            stop = job.get("stop_on_failure", True) and _failed(problem, current, results[-1])
+    finally:
+        os.close(pidfd)
+        os.close(read_end)
+        _kill_group(pid)
+        _wait_until_group_gone(pid)
+    return results, stop
+
+
+def _remove_tree(path: str) -> None:
+    """What a problem left in its directory, as far as it can go (``shutil`` would cost every program its import)."""
+    for top, dirs, files in os.walk(path, topdown=False):
+        for name in files + dirs:
+            entry = os.path.join(top, name)
+            try:
+                if os.path.isdir(entry) and not os.path.islink(entry):
+                    os.rmdir(entry)
+                else:
+                    os.unlink(entry)
+            except OSError:
+                pass
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def _run_problem(problem: dict, job: dict, root: str) -> list:
+    workdir = os.path.join(root, "p-" + os.urandom(6).hex())
+    os.mkdir(workdir, 0o700)
+    inputs = problem.get("inputs") or [""]
+    results: list = []
+    try:
+        for i, test_input in enumerate(inputs):
+            with open(os.path.join(workdir, f"in-{i}.txt"), "w") as f:
+                f.write(test_input)
+        while len(results) < len(inputs):
+            more, stop = _run_program(problem, job, workdir, len(results))
+            results += more
+            if stop or not more:
                 break
     finally:
         _kill_everything_else()
-        shutil.rmtree(workdir, ignore_errors=True)
+        _remove_tree(workdir)
     return results
 
 

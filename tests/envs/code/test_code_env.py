@@ -104,6 +104,20 @@ async def test_partial_reward_is_the_fraction_passed() -> None:
     assert (evaluation.reward, evaluation.resolved, evaluation.details["failed_test"]) == (0.75, False, 3)
 
 
+async def test_a_test_that_ends_or_hangs_its_process_leaves_the_later_tests_to_run_and_their_state_fresh() -> None:
+    """A program's tests share one process: one that exits early or hangs ends it, and the tests after it run in
+    a new one; each test runs the program afresh, on its own input, whichever process it is in."""
+    problem = CodeProblem(kind="stdin", inputs=["1", "2", "3", "4", "5"], outputs=["1 0", "2 0", "3 0", "4 0", "5 0"])
+    program = (
+        "import os\nn = int(input())\nseen = globals().get('seen', 0)\n"
+        "if n == 2:\n    os._exit(0)\nif n == 3:\n    while True:\n        pass\nseen += 1\nprint(n, seen - 1)\n"
+    )
+    settings = SETTINGS.model_copy(update={"partial_reward": True, "timeout_s": 1})
+    evaluation = await grade_program(problem, program, settings)
+    assert (evaluation.reward, evaluation.details["run"]) == (0.6, 5), evaluation.details
+    assert (evaluation.details["failed_test"], evaluation.details["reason"]) == (1, "wrong_answer"), evaluation.details
+
+
 def test_the_answer_is_a_named_file_or_the_last_code_block() -> None:
     assert submitted_file("solution.py") == "solution.py"
     assert submitted_file("`/workspace/src/sol.py`") == "src/sol.py"
