@@ -1,5 +1,5 @@
-"""The sandbox benchmarks stay runnable: tiny runs of `prorl bench tools`, `prorl bench sandbox` and `prorl bench
-swe`, each printing its figures and leaving no instance, log, process or temp dir behind. (What they measure is not
+"""The sandbox benchmarks stay runnable: tiny runs of `prorl bench tools`, `prorl bench sandbox`, `prorl bench
+swe` and `prorl bench code`, each printing its figures and leaving no instance, log, process or temp dir behind. (What they measure is not
 asserted.)"""
 
 from __future__ import annotations
@@ -83,3 +83,9 @@ async def test_swe_benchmark_prints_its_figure_lines_and_leaves_nothing_behind(
     assert lines[-1].startswith("service fork_groups: ")
     assert not [name for name in list_instances() if name.startswith(f"prorl-{os.getpid()}-")]
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= children  # the stand-in model is gone
+
+
+def test_code_benchmark_grades_gyms_rollouts_as_gym_does_and_ends_with_the_ratio() -> None:
+    lines = bench("code", "--rounds", "1", "--repeat", "1")
+    assert "rewards agree on all 5" in lines[-2]
+    assert lines[-1].startswith("code grading: ours / Gym's graded programs per second = ")

