@@ -8,12 +8,21 @@ line that names the file and what is wrong in it.
 from __future__ import annotations
 
 import importlib.resources
+import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from nemo_gym_prorl.contracts.sandbox import SandboxLimits
 
@@ -58,6 +67,56 @@ class ExampleMessage(BaseModel):
     content: str
 
 
+_PINNED = re.compile(r"^(@?[A-Za-z0-9][A-Za-z0-9._/-]*)(==|@)[0-9][A-Za-z0-9.+-]*$")
+
+
+class HarnessInstall(BaseModel):
+    """What goes into the harness's layer, each package at one version: the layer is built once per list."""
+
+    model_config = ConfigDict(extra="forbid")
+    pip: list[str] = Field(default_factory=list, description="PyPI requirements, each `name==version`")
+    npm: list[str] = Field(default_factory=list, description="npm packages, each `name@version`")
+
+    @field_validator("pip", "npm")
+    @classmethod
+    def _pinned(cls, packages: list[str], info: ValidationInfo) -> list[str]:
+        separator = "==" if info.field_name == "pip" else "@"
+        for package in packages:
+            match = _PINNED.match(package)
+            if match is None or match.group(2) != separator:
+                raise ValueError(f"expected a pinned name{separator}version, got {package!r}")
+        return packages
+
+
+class HarnessConfig(BaseModel):
+    """An unmodified agent run in the task's sandbox in place of our loop, its model calls through the proxy."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(description="names the harness in trajectories and its layer in the image cache")
+    install: HarnessInstall
+    command: list[str] = Field(
+        min_length=1, description="argv run in the workspace; `{prompt}`, `{workdir}`, `{config}`, `{model}` and "
+        "the row's columns are filled in with str.format",
+    )  # fmt: skip
+    config_file: Path | None = Field(None, description="a file shipped beside the task YAML, bound in as {config}")
+    env: dict[str, str] = Field(default_factory=dict, description="added to the proxy's OPENAI_BASE_URL/API_KEY")
+    max_turns: int = Field(20, ge=1, description="model calls the proxy answers before the harness is stopped")
+    timeout_s: float = Field(600.0, gt=0, description="the harness process's wall clock")
+    collect: Literal["workspace_patch", "answer_file"] = Field(
+        "workspace_patch", description="the SWE env's patch of the workspace, or the text of `answer_file`",
+    )  # fmt: skip
+    answer_file: str | None = Field(
+        None, validate_default=True, description="collect answer_file: its path, relative to the workspace",
+    )  # fmt: skip
+
+    @field_validator("answer_file")
+    @classmethod
+    def _named_when_collected(cls, answer_file: str | None, info: ValidationInfo) -> str | None:
+        if (info.data.get("collect") == "answer_file") != (answer_file is not None):
+            raise ValueError("expected a path exactly when collect is answer_file")
+        return answer_file
+
+
 class TaskConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not a silent default
     name: str
@@ -76,6 +135,7 @@ class TaskConfig(BaseModel):
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     verifier: dict[str, Any] = Field(default_factory=dict, description="settings of the task type's grader")
     resources_server_url: str | None = Field(None, description="type gym: the NeMo Gym resources server")
+    harness: HarnessConfig | None = Field(None, description="run this agent instead of our loop and tools")
     _source: Path | None = PrivateAttr(None)  # the YAML it was loaded from, for error lines
 
     @property
@@ -97,6 +157,13 @@ class TaskConfig(BaseModel):
         if roles != ["user", "assistant"] * (len(roles) // 2):
             raise ValueError("examples must alternate user, assistant, ... and end with the assistant's reply")
         return examples
+
+    @field_validator("harness")
+    @classmethod
+    def _harness_brings_its_tools(cls, harness: HarnessConfig | None, info: ValidationInfo) -> HarnessConfig | None:
+        if harness is not None and info.data.get("tools"):
+            raise ValueError("a harness brings its own tools: expected tools: [] beside it")
+        return harness
 
     def example_messages(self) -> list[dict[str, Any]]:
         """The worked example as chat messages, to go before the task's prompt."""
@@ -145,6 +212,8 @@ def load_task(name: str, search_dirs: Sequence[Path] = ()) -> TaskConfig:
         file = getattr(task.dataset, key)
         if file is not None and not file.is_file():
             raise TaskConfigError(f"task file {path}: field 'dataset.{key}': no file {file}")
+    if task.harness is not None and task.harness.config_file is not None and not task.harness.config_file.is_file():
+        raise TaskConfigError(f"task file {path}: field 'harness.config_file': no file {task.harness.config_file}")
     task._source = path
     return task
 
@@ -163,9 +232,11 @@ def _keys_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """The keys `model` may hold at `loc` (() the top, ("limits",) a task file's limits)."""
     for key in loc:
         annotation = model.model_fields[str(key)].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        # an optional section (`harness: HarnessConfig | None`) lists its model's keys
+        found = [a for a in (annotation, *get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not found:
             return []
-        model = annotation
+        model = found[0]
     return list(model.model_fields)
 
 
@@ -185,6 +256,9 @@ def _task_mapping(path: Path, search_dirs: Sequence[Path], seen: tuple[Path, ...
         for key in ("path", "validation_path"):
             if isinstance(dataset.get(key), str):
                 dataset[key] = (path.parent / dataset[key]).resolve()
+    harness = raw.get("harness")
+    if isinstance(harness, dict) and isinstance(harness.get("config_file"), str):
+        harness["config_file"] = (path.parent / harness["config_file"]).resolve()
     base = raw.pop("extends", None)
     if base is None:
         return raw
