@@ -2,21 +2,22 @@
 
 An adapter turns its wire request into a `CallRequest` (chat messages in OpenAI's form, OpenAI function tools) and
 the `ModelCall` back into its wire answer. The core generates token-in/token-out through the rollout's `PostJSON`
-(the service passes ``pool.poster(trajectory_id)``: one backend per rollout, pause/resume honoured by the pool):
-it renders the model's chat template itself and, when a request's messages extend an earlier call's conversation
-and the reply it got, reuses that call's exact prompt and generated ids as the prefix (`TokenInTokenOut`), so a
-harness that only appends never has its history re-tokenized. Every call is recorded: exact prompt ids, generated
-ids, log-probs, the sampling parameters used, and what the harness asked for.
+(``pool.poster(trajectory_id)``: one backend per rollout, pause/resume honoured): it renders the chat template
+itself and, when a request extends an earlier call's conversation and reply, reuses that call's exact prompt and
+generated ids as the prefix (`TokenInTokenOut`). Every call is recorded: prompt and generated ids, log-probs, the
+sampling used, what the harness asked for.
 
-Sampling: the trainer's `SamplingParams` are the ones used. The harness's own temperature, top_p, seed, stop, model
-name and the like are recorded on the call (`harness_params`) and not applied; its max_tokens (or
-max_completion_tokens) only caps the trainer's, since a shorter reply changes no token's probability.
+Sampling: the trainer's `SamplingParams` are used; the harness's temperature, top_p, seed, stop, model name ... are
+recorded (`harness_params`), not applied; its max_tokens only caps the trainer's. Limits (`set_limits`): a call past
+the rollout's deadline, its number of calls or its generated-token budget is refused (`CallRefused`, recorded in
+`refused`: a policy limit, not a failure), one in flight at the deadline cut, a reply capped at the budget left.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -30,7 +31,7 @@ from nemo_gym_prorl.tool_calls import tool_call_format
 class CallRequest(BaseModel):
     """What a harness asked, in the core's terms (each adapter's job to produce)."""
 
-    api: str = Field(description="the API it came in through: chat.completions (later responses, messages)")
+    api: str = Field(description="the API it came in through: chat.completions, responses or messages")
     messages: list[dict[str, Any]] = Field(description="chat messages, OpenAI's form, content as text")
     tools: list[dict[str, Any]] | None = Field(None, description="OpenAI function tools")
     max_tokens: int | None = Field(None, ge=1, description="the harness's cap on the reply")
@@ -67,6 +68,27 @@ class ModelCall(BaseModel):
         return message
 
 
+Limit = Literal["deadline", "token_budget", "max_calls"]
+
+
+class Refusal(BaseModel):
+    """A call the rollout's limits left unanswered (or cut): the harness hit a policy limit."""
+
+    api: str
+    reason: Limit
+    message: str
+    messages: int = Field(description="how many messages the refused request carried")
+    cut: bool = Field(False, description="it was generating when the deadline came")
+
+
+class CallRefused(Exception):
+    """The rollout's deadline or token budget refuses the call; `refusal` is what was recorded."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
 class ModelCalls:
     """The rollout's calls, answered and recorded in `calls` (in the order they were answered).
 
@@ -84,15 +106,40 @@ class ModelCalls:
         self.tool_format = tool_call_format(tool_format)
         self.context_window = context_window
         self.calls: list[ModelCall] = []
+        self.refused: list[Refusal] = []
+        self.deadline_s: float | None = None
+        self.token_budget: int | None = None
+        self.max_calls: int | None = None
+        self._deadline: float | None = None  # the event loop's time at the deadline
         self._conversations: list[list[tuple[Any, ...]]] = []  # each call's messages and reply, as compared
 
+    def set_limits(self, deadline_s: float | None, token_budget: int | None, max_calls: int | None = None) -> None:
+        """From now on: no call answered after `deadline_s` seconds, none once `token_budget` tokens were
+        generated over all calls, none past `max_calls` answered calls (None: no limit)."""
+        self.deadline_s, self.token_budget, self.max_calls = deadline_s, token_budget, max_calls
+        self._deadline = None if deadline_s is None else asyncio.get_running_loop().time() + deadline_s
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(call.turn.generation_token_ids) for call in self.calls)
+
     async def complete(self, request: CallRequest) -> ModelCall:
-        """Generate the reply to `request` and record the call; the backend's refusals (`LLMRequestError`,
-        `ContextLengthExceeded`) and `LLMUnavailable` propagate for the adapter to answer."""
+        """Generate the reply to `request` and record the call; `CallRefused` past the rollout's limits, and the
+        backend's refusals (`LLMRequestError`, `ContextLengthExceeded`) and `LLMUnavailable` propagate for the
+        adapter to answer."""
+        left = self._budget_left(request)
         previous = self._continued(request)
-        sampling = self._sampling(request.max_tokens)
+        sampling = self._sampling(request.max_tokens, left)
         generator = TokenInTokenOut(self._post, self.model, self.tokenizer, sampling, self.context_window)
-        turn = await generator.generate(request.messages, request.tools, previous.turn if previous else None)
+        deadline = asyncio.timeout_at(self._deadline)
+        try:
+            async with deadline:
+                turn = await generator.generate(request.messages, request.tools, previous.turn if previous else None)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            message = f"model call cut: the rollout's deadline ({self.deadline_s:g} s) came while it was generating"
+            raise self._refuse(request, "deadline", message, cut=True) from None
         reply, error = self._reply(turn, bool(request.tools))
         call = ModelCall(
             index=len(self.calls), api=request.api, messages=request.messages, tools=request.tools, turn=turn,
@@ -114,11 +161,32 @@ class ModelCalls:
                 return call
         return None
 
-    def _sampling(self, asked: int | None) -> SamplingParams:
-        if asked is None:
+    def _budget_left(self, request: CallRequest) -> int | None:
+        """The tokens this call may still generate (None: no budget); refuses it past a limit."""
+        if self._deadline is not None and asyncio.get_running_loop().time() >= self._deadline:
+            message = f"model call refused: the rollout's deadline ({self.deadline_s:g} s) has passed"
+            raise self._refuse(request, "deadline", message)
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            message = f"model call refused: the rollout's {self.max_calls} model calls are made"
+            raise self._refuse(request, "max_calls", message)
+        if self.token_budget is None:
+            return None
+        left = self.token_budget - self.generated_tokens
+        if left <= 0:
+            message = f"model call refused: the rollout's token budget ({self.token_budget} generated tokens) is spent"
+            raise self._refuse(request, "token_budget", message)
+        return left
+
+    def _refuse(self, request: CallRequest, reason: Limit, message: str, cut: bool = False) -> CallRefused:
+        refusal = Refusal(api=request.api, reason=reason, message=message, messages=len(request.messages), cut=cut)
+        self.refused.append(refusal)
+        return CallRefused(refusal)
+
+    def _sampling(self, asked: int | None, left: int | None) -> SamplingParams:
+        caps = [cap for cap in (asked, left, self.sampling.max_tokens) if cap is not None]
+        if not caps or min(caps) == self.sampling.max_tokens:
             return self.sampling
-        cap = asked if self.sampling.max_tokens is None else min(asked, self.sampling.max_tokens)
-        return self.sampling.model_copy(update={"max_tokens": cap})
+        return self.sampling.model_copy(update={"max_tokens": min(caps)})
 
     def _reply(self, turn: Turn, tools_offered: bool) -> tuple[dict[str, Any], str | None]:
         """The assistant message for the harness, and the parse error of tool calls it could not be given. A reply

@@ -6,24 +6,29 @@ as server-sent chunks (role, content, one chunk per tool call, finish reason, us
 backend generates token-in/token-out in one request, so the harness gets its reply at once either way.
 
 Errors have OpenAI's shape (``{"error": {"message", "type", "code"}}``): a request the proxy cannot read is a 400
-naming the field; a prompt past the context window is the 400 ``context_length_exceeded`` harnesses act on.
+naming the field; a prompt past the context window is the 400 ``context_length_exceeded`` harnesses act on; a call
+past the rollout's deadline or token budget a 400 ``rollout_limit_error`` (code ``deadline`` or ``token_budget``).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from typing import Any, Literal
 
-import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
 
-from nemo_gym_prorl.agent.llm_pool import LLMUnavailable
-from nemo_gym_prorl.agent.turns import ContextLengthExceeded, LLMRequestError
-from nemo_gym_prorl.harness.calls import CallRequest, ModelCall, ModelCalls
+from nemo_gym_prorl.harness.calls import CallRequest, ModelCall
+from nemo_gym_prorl.harness.wire import (
+    Api,
+    Failure,
+    event,
+    json_response,
+    text_of,
+    validated,
+)
 
 API = "chat.completions"
 _USED = {"messages", "tools", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens"}
@@ -53,26 +58,23 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
 
 
-class BadRequest(ValueError):
-    """A request the proxy cannot answer as sent; its message names the field."""
+_KINDS = {
+    Failure.BAD_REQUEST: "invalid_request_error",
+    Failure.CONTEXT_LENGTH: "invalid_request_error",
+    Failure.ROLLOUT_LIMIT: "rollout_limit_error",
+    Failure.UPSTREAM: "upstream_error",
+    Failure.UNAVAILABLE: "upstream_unavailable",
+}
 
 
-def _json(body: dict[str, Any], status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
-
-
-def error_response(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> Response:
-    return _json({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+def error_response(failure: Failure, status: int, message: str, code: str | None) -> Response:
+    """OpenAI's error shape (the Responses API answers with it too)."""
+    return json_response({"error": {"message": message, "type": _KINDS[failure], "param": None, "code": code}}, status)
 
 
 def call_request(body: Any) -> tuple[CallRequest, ChatCompletionRequest]:
     """The core's request for a Chat Completions body; `BadRequest` names what is wrong."""
-    try:
-        request = ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        raise BadRequest(f"chat completions request: {where}: {first['msg']}") from None
+    request = validated(ChatCompletionRequest, body, "chat completions request")
     messages = [_message(i, m) for i, m in enumerate(request.messages)]
     asked = request.model_dump(exclude=_USED, exclude_unset=True)
     core = CallRequest(
@@ -87,39 +89,11 @@ def _message(index: int, message: ChatMessage) -> dict[str, Any]:
     if message.role == "developer":
         out["role"] = "system"
     if isinstance(message.content, list):
-        texts = []
-        for j, part in enumerate(message.content):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(f"messages.{index}.content.{j}: only text parts are supported, got {part.get('type')!r}")
-            texts.append(part["text"])
-        out["content"] = "".join(texts)
+        out["content"] = text_of(message.content, {"text"}, f"messages.{index}.content")
     return out
 
 
-async def endpoint(calls: ModelCalls, request: Request) -> Response:
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as e:
-        return error_response(400, f"chat completions request: the body is not JSON ({e})")
-    try:
-        core, chat = call_request(body)
-        call = await calls.complete(core)
-    except BadRequest as e:
-        return error_response(400, str(e))
-    except ContextLengthExceeded as e:
-        return error_response(400, e.message, code="context_length_exceeded")
-    except LLMRequestError as e:
-        return error_response(e.status if e.status < 500 else 502, e.message, kind="upstream_error")
-    except LLMUnavailable as e:
-        return error_response(503, str(e), kind="upstream_unavailable")
-    answer = _completion(call, body.get("model") or calls.model)
-    if not chat.stream:
-        return _json(answer)
-    usage = bool((chat.stream_options or {}).get("include_usage"))
-    return StreamingResponse(_chunks(answer, usage), media_type="text/event-stream")
-
-
-def _completion(call: ModelCall, model: str) -> dict[str, Any]:
+def _completion(call: ModelCall, request: ChatCompletionRequest, model: str) -> dict[str, Any]:
     prompt, generated = len(call.turn.prompt_token_ids), len(call.turn.generation_token_ids)
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -131,14 +105,15 @@ def _completion(call: ModelCall, model: str) -> dict[str, Any]:
     }
 
 
-async def _chunks(answer: dict[str, Any], usage: bool) -> AsyncIterator[bytes]:
+def _chunks(answer: dict[str, Any], request: ChatCompletionRequest) -> Iterator[bytes]:
+    usage = bool((request.stream_options or {}).get("include_usage"))
     choice = answer["choices"][0]
     message = choice["message"]
     head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
-        return b"data: " + orjson.dumps(head | {"choices": choices} | extra) + b"\n\n"
+        return event(head | {"choices": choices} | extra)
 
     yield chunk({"role": "assistant", "content": ""})
     if message.get("content"):
@@ -147,5 +122,8 @@ async def _chunks(answer: dict[str, Any], usage: bool) -> AsyncIterator[bytes]:
         yield chunk({"tool_calls": [{"index": i, **call}]})
     yield chunk({}, choice["finish_reason"])
     if usage:
-        yield b"data: " + orjson.dumps(head | {"choices": [], "usage": answer["usage"]}) + b"\n\n"
+        yield event(head | {"choices": [], "usage": answer["usage"]})
     yield b"data: [DONE]\n\n"
+
+
+endpoint = Api("chat completions request", call_request, _completion, _chunks, error_response).endpoint

@@ -8,7 +8,8 @@ the host the directory has a random name under one others may pass through but n
 
 The server is uvicorn in the caller's event loop, the caller's signal handlers left alone (many rollouts' proxies
 start and stop out of order; uvicorn's handlers would be restored out of order with them). `close()` stops the
-forwarder (reaped inside the sandbox), then the server, then removes the socket. Usage: docs/harness.md.
+forwarder (reaped inside the sandbox), then the server, then removes the socket. The rollout's limits
+(`ProxyConfig.deadline_s`, `token_budget`, `max_calls`) hold from `start()`. Usage: docs/harness.md.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from nemo_gym_prorl.contracts.sandbox import BindMount, Sandbox, SandboxSpec
-from nemo_gym_prorl.harness import chat_completions
+from nemo_gym_prorl.harness import chat_completions, messages, responses
 from nemo_gym_prorl.harness.calls import ModelCalls
 from nemo_gym_prorl.harness.forwarder import READY_PATH
 
@@ -49,6 +50,9 @@ class ProxyConfig(BaseModel):
     api_key: str = Field("prorl-proxy", description="OPENAI_API_KEY for the harness (which may insist on one)")
     forwarder_start_s: float = Field(30.0, gt=0, description="how long connect waits for the forwarder to listen")
     shutdown_grace_s: float = Field(1.0, ge=0, description="how long close lets a call in flight finish")
+    deadline_s: float | None = Field(None, gt=0, description="no model call answered after this (the task's time limit)")
+    token_budget: int | None = Field(None, ge=1, description="tokens the rollout's calls may generate in all")
+    max_calls: int | None = Field(None, ge=1, description="model calls answered before every later one is refused")
 
 
 class ProxyError(RuntimeError):
@@ -86,8 +90,9 @@ class ModelProxy:
         return f"http://127.0.0.1:{self.config.port}/v1"
 
     def env(self) -> dict[str, str]:
-        """What points an OpenAI-client harness at this proxy."""
-        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.config.api_key}
+        """What points an OpenAI-client or Anthropic-client harness at this proxy."""
+        key, root = self.config.api_key, f"http://127.0.0.1:{self.config.port}"
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": key, "ANTHROPIC_BASE_URL": root, "ANTHROPIC_API_KEY": key}
 
     def sandbox_spec(self, spec: SandboxSpec) -> SandboxSpec:
         """`spec` with the socket's directory bound in and `env()` in the sandbox's environment."""
@@ -102,6 +107,7 @@ class ModelProxy:
     async def start(self) -> None:
         if self._folder is not None:
             raise ProxyError("the model proxy is already started")
+        self.calls.set_limits(self.config.deadline_s, self.config.token_budget, self.config.max_calls)
         root = Path(tempfile.mkdtemp(prefix="prorl-proxy-"))
         self._folder = folder = root / secrets.token_hex(16)
         try:
@@ -166,9 +172,10 @@ class ModelProxy:
             await asyncio.gather(forwarder, return_exceptions=True)
 
     def _app(self) -> Starlette:
+        apis = {"/v1/chat/completions": chat_completions, "/v1/responses": responses, "/v1/messages": messages}
         return Starlette(
             routes=[
-                Route("/v1/chat/completions", functools.partial(chat_completions.endpoint, self.calls), methods=["POST"]),
+                *(Route(path, functools.partial(api.endpoint, self.calls), methods=["POST"]) for path, api in apis.items()),
                 Route("/v1/models", self._models),
                 Route(READY_PATH, self._forwarder_ready, methods=["POST"]),
             ]
