@@ -4,8 +4,8 @@ and Gym resources-server calls.
 Why not httpx, which the rest of the package uses: at 256 concurrent rollouts its client layer (URL parsing, the
 request and header models, cookie extraction) took ~30% of the service's CPU even over an aiohttp transport, and
 httpcore's own pool was worse, quadratic in connections (py-spy, `prorl bench throughput`). Here a request is one
-aiohttp call with an orjson body, and the answer is read whole: these calls are JSON request/response, never
-streams. Cookies are the caller's (a Gym session per episode on one shared client), so the client keeps none.
+aiohttp call with an orjson body, and the answer is read whole, or, with `post_events`, as server-sent events (a
+generation a weight update may cut keeps what it streamed). Cookies are the caller's (a Gym session per episode on one shared client), so the client keeps none.
 
 An idle connection is kept for `keepalive_s`, which must stay under the server's own keep-alive: past it the server
 closes the connection, and a request already sent on it fails. Kept too briefly, connections are reopened at every
@@ -16,7 +16,7 @@ is made on first use, on the running loop: building a client opens nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,15 +131,30 @@ class JsonHttp:
     async def get(self, url: str, *, timeout_s: float | None = None) -> JsonResponse:
         return await self._request("GET", url, None, None, timeout_s)
 
-    async def _request(
-        self, method: str, url: str, data: bytes | None, headers: Mapping[str, str] | None, timeout_s: float | None
+    async def post_events(
+        self, url: str, body: Any, on_event: Callable[[Any], None], *, headers: Mapping[str, str] | None = None
     ) -> JsonResponse:
+        """POST and hand each server-sent ``data:`` JSON to `on_event` as it arrives (an empty 200 comes back); an
+        answer that is not an event stream (an error, a server that does not stream) is returned whole. Cancelling
+        the call closes the connection, which is how a streaming server is told to abort."""
+        data = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
+        return await self._request("POST", url, data, {**_JSON_HEADERS, **(headers or {})}, None, on_event)
+
+    async def _request(
+        self, method: str, url: str, data: bytes | None, headers: Mapping[str, str] | None, timeout_s: float | None,
+        on_event: Callable[[Any], None] | None = None,
+    ) -> JsonResponse:  # fmt: skip
         read_s = timeout_s or self._timeout_s
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s or read_s, sock_read=read_s)
         try:
             async with self._client().request(
                 method, url, data=data, headers=headers, timeout=timeout, allow_redirects=False
             ) as response:
+                if on_event is not None and response.content_type == "text/event-stream":
+                    async for line in response.content:
+                        if line.startswith(b"data:") and (payload := line[5:].strip()) != b"[DONE]":
+                            on_event(orjson.loads(payload))
+                    return JsonResponse(response.status, b"", {})
                 content = await response.read()
                 return JsonResponse(response.status, content, set_cookies(response.headers.getall("Set-Cookie", ())))
         except aiohttp.ClientConnectorError as e:

@@ -38,6 +38,8 @@ def _assistant_message(turn: Turn, parsed: ParsedReply, previous: Turn | None) -
     }
     if turn.policy_version is not None:
         message["policy_version"] = turn.policy_version
+    if turn.version_spans:
+        message["version_spans"] = turn.version_spans
     if parsed.tool_calls:
         message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
     if previous is not None:

@@ -89,7 +89,8 @@ class Turn(BaseModel):
     text: str
     finish_reason: str
     server_message: dict[str, Any] | None = None  # chat mode: the message as the server parsed it
-    policy_version: int | None = None  # the version of the weights that generated it, when the server says
+    policy_version: int | None = None  # the version of the weights that generated it (began it), when known
+    version_spans: list[tuple[int | None, int]] | None = None  # cut by weight updates: (version, tokens) in order
 
 
 def _sampling_body(sampling: SamplingParams) -> dict[str, Any]:
@@ -175,6 +176,7 @@ class TokenInTokenOut:
                 text=choice["text"],
                 finish_reason=choice["finish_reason"],
                 policy_version=choice.get("policy_version"),
+                version_spans=choice.get("version_spans"),
             )
         )
 

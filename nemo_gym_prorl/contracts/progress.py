@@ -16,6 +16,9 @@ class Generated(BaseModel):
 
     answers: int = Field(0, description="model requests answered: assistant turns generated")
     completion_tokens: int = Field(0, description="the answers' usage.completion_tokens")
+    cut: int = Field(0, description="requests a weight update cut (weight_update: cut), each re-issued with its prefix")
+    lost_requests: int = Field(0, description="cut requests whose re-issue failed: their rollouts lost to an update")
+    lost_tokens: int = Field(0, description="tokens those lost requests had generated before their cut")
 
     def count(self, answer: Any) -> None:
         self.answers += 1
@@ -26,4 +29,4 @@ class Generated(BaseModel):
 
     def since(self, earlier: Generated) -> Generated:
         """What was generated after `earlier` (a remote service may have served others before this run)."""
-        return Generated(answers=self.answers - earlier.answers, completion_tokens=self.completion_tokens - earlier.completion_tokens)
+        return Generated(**{field: getattr(self, field) - getattr(earlier, field) for field in Generated.model_fields})

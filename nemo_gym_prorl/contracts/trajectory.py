@@ -124,7 +124,8 @@ class Trajectory(BaseModel):
 
     def _versions(self) -> list[int]:
         turns = sorted((m for s in self.training_segments() for m in s), key=lambda m: m.get("call", 0))
-        return [m["policy_version"] for m in turns if m.get("policy_version") is not None]
+        versions = [v for m in turns for v, _ in m.get("version_spans") or [(m.get("policy_version"), 0)]]
+        return [v for v in versions if v is not None]
 
     def mask_reason(self) -> str | None:
         """Why a trainer must not learn from this rollout, or None: it failed for a reason that is not the policy's

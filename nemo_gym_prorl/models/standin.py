@@ -6,19 +6,20 @@ entry repeats); a task's worked example, an assistant turn it did not write, doe
 real model's tokenizer, so rollouts through it are token-faithful and contiguous exactly as with a real server.
 ``latency_s`` simulates generation time (``latency_tail``: times a Pareto draw of that shape, capped at 20x, seeded by the
 request's seed and turn: most turns quick, a few many times longer) and ``max_concurrency`` bounds how many requests
-are "on the GPU" at once.
+are "on the GPU" at once. ``/v1/completions`` streams with ``stream: true`` (one token a chunk, the latency spread over
+them; a closed connection aborts it) and continues a reply a prompt already ends inside, as a cut request re-issued.
 
 "Instant" means the server's own CPU is as small as it can be, since benchmarks share it between the sides they
 compare: rollouts of one benchmark repeat the same prompts and tool outputs, so rendered templates and
-tokenizations are memoised (a string in, the same tokens out: the cache changes no answer).
-
-    python -m nemo_gym_prorl.models.standin --port 0 --script '```bash\\necho 1\\n```' '\\boxed{1}'
+tokenizations are memoised (a string in, the same tokens out: the cache changes no answer). Run it as
+``python -m nemo_gym_prorl.models.standin --port 0 --script REPLY...``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import random
 import socket
@@ -29,6 +30,7 @@ from typing import Any
 import orjson
 import uvicorn
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.server import READY_LINE
@@ -73,16 +75,21 @@ def create_standin_app(
     app = FastAPI(title="nemo-gym-prorl stand-in model")
     app.state.requests = 0
     app.state.waiting = 0
+    app.state.aborted = 0  # streams whose client left before the last token
     released = asyncio.Event()
     if not hold:
         released.set()
 
-    def turns_in(prompt: list[int]) -> int:
-        """Replies of the script already in a token prompt: the assistant turns at its end whose tokens are one of
-        them (a worked example comes before every generated turn)."""
+    def turns_in(prompt: list[int]) -> tuple[int, int]:
+        """Replies of the script already in a token prompt (the assistant turns at its end whose tokens are one of
+        them: a worked example comes before every generated turn), and how many tokens of the turn being generated
+        it already holds (a cut request re-issued with its partial tokens)."""
         first, width = assistant_start[0], len(assistant_start)
         starts = [i + width for i, t in enumerate(prompt) if t == first and prompt[i : i + width] == assistant_start]
-        return trailing(any(prompt[i : i + len(reply)] == reply for reply in replies) for i in starts[:-1])
+        k = trailing(any(prompt[i : i + len(reply)] == reply for reply in replies) for i in starts[:-1])
+        done = prompt[starts[-1] :] if starts else []
+        reply = replies[min(k, len(replies) - 1)]
+        return k, len(done) if reply[: len(done)] == done and len(done) < len(reply) else 0
 
     texts = set(script) | set(reply_texts)
 
@@ -105,16 +112,21 @@ def create_standin_app(
             return latency_s
         return latency_s * min(_TAIL_CAP, random.Random(f"{seed}:{k}").paretovariate(latency_tail))
 
-    async def generate(k: int, seed: Any = None) -> int:
-        """The index of the reply to give, once the simulated generation is over."""
+    async def admitted(k: int) -> int:
+        """The index of the reply to give, once --hold has released it."""
         app.state.requests += 1
-        wait_s = delay(seed, k)
         if not released.is_set():
             app.state.waiting += 1
             try:
                 await released.wait()
             finally:
                 app.state.waiting -= 1
+        return min(k, len(replies) - 1)
+
+    async def generate(k: int, seed: Any = None) -> int:
+        """The index of the reply to give, once the simulated generation is over."""
+        wait_s = delay(seed, k)
+        await admitted(k)
         if gate is None:
             if wait_s:
                 await asyncio.sleep(wait_s)
@@ -130,7 +142,7 @@ def create_standin_app(
 
     @app.get("/control/stats")
     async def stats() -> dict[str, int]:
-        return {"requests": app.state.requests, "waiting": app.state.waiting}
+        return {"requests": app.state.requests, "waiting": app.state.waiting, "aborted": app.state.aborted}
 
     @app.post("/control/release")
     async def release() -> dict[str, int]:
@@ -142,27 +154,56 @@ def create_standin_app(
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": "standin", "object": "model", "owned_by": "nemo-gym-prorl"}]}
 
-    def usage(prompt: list[int], ids: list[int]) -> dict[str, int]:
+    def usage_of(prompt: list[int], ids: list[int]) -> dict[str, int]:
         return {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
 
     def json_response(body: dict[str, Any]) -> Response:
         return Response(orjson.dumps(body), media_type="application/json")
 
+    async def stream(prompt: list[int], k: int, done: int, seed: Any) -> StreamingResponse:
+        """One chunk per token, the turn's latency spread over its reply's tokens; cancelled when the client goes."""
+        reply = replies[await admitted(k)]
+        step_s = delay(seed, k) / len(reply)
+
+        async def chunks() -> Any:
+            sent = done
+            try:
+                async with gate or contextlib.nullcontext():
+                    for i in range(done, len(reply)):
+                        if step_s:
+                            await asyncio.sleep(step_s)
+                        text = tokenizer.decode(reply[: i + 1])[len(tokenizer.decode(reply[:i])) :]
+                        finish = "stop" if i == len(reply) - 1 else None
+                        lp = {"token_logprobs": [-0.1]}
+                        choice = {"index": 0, "text": text, "token_ids": [reply[i]], "logprobs": lp, "finish_reason": finish}
+                        yield b"data: " + orjson.dumps({"object": "text_completion", "choices": [choice]}) + b"\n\n"
+                        sent = i + 1
+                usage = {"usage": usage_of(prompt, reply[done:])}
+                yield b"data: " + orjson.dumps({"choices": [], **usage}) + b"\n\ndata: [DONE]\n\n"
+            finally:
+                if sent < len(reply):
+                    app.state.aborted += 1
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = orjson.loads(await request.body())
         prompt = body["prompt"]
-        k = await generate(turns_in(prompt), body.get("seed"))
-        ids = replies[k]
+        k, done = turns_in(prompt)
+        if body.get("stream"):
+            return await stream(prompt, k, done, body.get("seed"))
+        k = await generate(k, body.get("seed"))
+        ids = replies[k][done:]
         choice = {
             "index": 0,
-            "text": reply_texts[k],
+            "text": tokenizer.decode(replies[k])[len(tokenizer.decode(replies[k][:done])) :] if done else reply_texts[k],
             "token_ids": ids,
             "prompt_token_ids": prompt,
             "logprobs": {"token_logprobs": [-0.1] * len(ids)},
             "finish_reason": "stop",
         }
-        return json_response({"id": "cmpl-standin", "object": "text_completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice], "prompt_token_ids": prompt, "usage": usage(prompt, ids)})
+        return json_response({"id": "cmpl-standin", "object": "text_completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice], "prompt_token_ids": prompt, "usage": usage_of(prompt, ids)})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -193,7 +234,7 @@ def create_standin_app(
                 message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
                 finish_reason = "tool_calls"
         choice = {"index": 0, "message": message, "finish_reason": finish_reason}
-        return json_response({"id": "chatcmpl-standin", "object": "chat.completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice], "usage": usage(prompt, ids)})
+        return json_response({"id": "chatcmpl-standin", "object": "chat.completion", "created": 0, "model": body.get("model") or "standin", "choices": [choice], "usage": usage_of(prompt, ids)})
 
     return app
 

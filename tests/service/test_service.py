@@ -22,11 +22,14 @@ from sandbox_helpers import sandboxes_left
 from service_helpers import service, service_config
 from standin_helpers import ROW, SCRIPT
 
+from nemo_gym_prorl.agent.llm_pool import LLMPoolConfig
 from nemo_gym_prorl.contracts.job import Deadlines, JobRequest
 from nemo_gym_prorl.contracts.trajectory import Trajectory, contiguity_violation
 from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.models.launcher import ModelServerProcess
+from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.standin import standin_argv
+from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.service.client import RolloutClient, ServiceError
 from nemo_gym_prorl.service.pipeline import PipelineConfig, StageConfig
 from nemo_gym_prorl.service.store import JobStore
@@ -303,6 +306,49 @@ async def test_a_weight_update_between_turns_loses_nothing_and_each_turn_carries
         assert [turn["policy_version"] for turn in trajectory.assistant_turns()] == [0, 1]
         assert (trajectory.first_policy_version, trajectory.last_policy_version) == (0, 1)
         assert contiguity_violation(trajectory.assistant_turns()) is None
+
+
+async def test_a_weight_update_in_cut_mode_cuts_the_turns_in_flight_and_re_issues_them_losing_no_token(
+    tmp_path: Path,
+) -> None:
+    """weight_update=cut: the pause aborts both first turns at the model mid-stream (it returns with their
+    generations unfinished), each is re-issued after the resume as prompt + its partial ids against the new weights,
+    and the turn is exactly the model's reply, its tokens' versions in spans; nothing is lost."""
+    tokenizer = Tokenizer.from_gguf(default_gguf())
+    reply = tokenizer.encode(SCRIPT[0]) + [tokenizer.eos_token_id]
+    settings = {"llm_pool": LLMPoolConfig(weight_update="cut")}
+    async with ModelServerProcess(standin_argv(SCRIPT, latency_s=3.0)) as model, httpx.AsyncClient() as http:
+        async with run_service(service_config(model.base_url, tmp_path, **settings)) as svc, RolloutClient(svc.url) as client:
+            await client.resume_llm(policy_version=0)
+            job_id = await client.submit(JobRequest(instance=ROW, n=2))
+            pool = svc.orchestrator.pool
+            async with asyncio.timeout(60):  # both first turns have streamed some tokens
+                while len(pool._streams) < 2 or not all(p.ids for p in pool._streams.values()):
+                    await asyncio.sleep(0.02)
+            partials = list(pool._streams.values())
+            await client.pause_llm()
+            # it returned with both generations unfinished: cut, not waited for
+            assert pool.in_flight == 0 and all(not p.done and 0 < len(p.ids) < len(reply) for p in partials)
+            await client.resume_llm(policy_version=1)
+            view = await client.wait(job_id)
+            status = await client.status()
+            stats = (await http.get(model.base_url.removesuffix("/v1") + "/control/stats")).json()
+    assert stats["aborted"] == 2  # the model's generations were aborted, not left running
+    assert [t.critical_error for t in view.results] == [None, None] and [t.reward for t in view.results] == [1.0, 1.0]
+    assert status["generated"]["cut"] == 2
+    assert (status["generated"]["lost_requests"], status["generated"]["lost_tokens"]) == (0, 0)
+    kept = [turn["generation_token_ids"] for t in view.results for turn in t.assistant_turns()]
+    assert status["generated"]["completion_tokens"] == sum(map(len, kept))
+    for trajectory in view.results:
+        first, second = trajectory.assistant_turns()
+        assert first["generation_token_ids"] == reply  # the model's own tokens, none twice or missing
+        assert len(first["generation_log_probs"]) == len(first["generation_token_ids"])
+        [(v0, n0), (v1, n1)] = first["version_spans"]
+        assert (v0, v1) == (0, 1) and n0 > 0 and n1 > 0 and n0 + n1 == len(first["generation_token_ids"])
+        assert first["policy_version"] == 0 and second["policy_version"] == 1 and "version_spans" not in second
+        assert (trajectory.first_policy_version, trajectory.last_policy_version) == (0, 1)
+        assert contiguity_violation(trajectory.assistant_turns()) is None
+        assert Trajectory.model_validate_json(trajectory.model_dump_json()).assistant_turns() == [first, second]
 
 
 @pytest.mark.parametrize("on_stale", ["mask", "rerun"])
