@@ -17,7 +17,7 @@ def _lazy(module: str) -> Callable[[list[str]], None]:
     return run
 
 
-_MODULES = {name: name for name in ("model", "pipeline", "scale", "tools", "sandbox", "throughput", "swe", "code")}
+_MODULES = {name: name for name in ("model", "pipeline", "scale", "tools", "sandbox", "throughput", "swe", "code", "harness")}
 BENCHMARKS: dict[str, Callable[[list[str]], None]] = {
     name: _lazy(module) for name, module in (_MODULES | {"viewer": "viewer", "train": "train", "async": "async_rl"}).items()
 }
