@@ -1,7 +1,8 @@
 """The LLM pool over real HTTP on loopback: least-in-flight routing, trajectory affinity, retries, health, pause.
 
 Stand-in backends are small Starlette apps served by uvicorn in the test's event loop (so a test can hold their
-requests on an ``asyncio.Event``); the killed backend is a subprocess; one test goes through our real model server.
+requests on an ``asyncio.Event``); the killed backend is a subprocess; one test goes through our real model server,
+one through the streaming stand-in (weight_update=cut).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from starlette.routing import Route
 
 from nemo_gym_prorl.agent.llm_pool import BackendState, LLMPool, LLMPoolConfig, LLMUnavailable, normalize_address
 from nemo_gym_prorl.agent.turns import ContextLengthExceeded, LLMRequestError
-from nemo_gym_prorl.models.launcher import LocalModelServer
+from nemo_gym_prorl.models.launcher import LocalModelServer, ModelServerProcess
+from nemo_gym_prorl.models.standin import standin_argv
 
 WAIT = 30.0  # bound on anything a test awaits: generous, the machine is busy
 Arrivals = asyncio.Queue[tuple[str, dict[str, Any]]]
@@ -653,3 +655,37 @@ async def test_each_backend_gets_its_own_model_name_and_key(stand_in: Callable[[
         pool.add(policy.address, model="renamed")  # registering again updates it: no key now
         assert (await pool.post("t", "/chat/completions", {"model": "x"}))["echo"]["model"] == "renamed"
         assert "authorization" not in policy.headers[-1]
+
+
+async def test_in_cut_mode_a_cancelled_request_is_no_cut_and_a_cut_one_whose_re_issue_fails_counts_as_lost() -> None:
+    """weight_update=cut against the streaming stand-in: a rollout cancelled mid-stream is cancelled (nothing counted
+    cut or lost); a request cut by a pause waits for the resume, and when no backend is there to re-issue it, it
+    fails and the pool counts it and the tokens it had generated as lost to the update."""
+
+    async def streaming(pool: LLMPool) -> asyncio.Task[dict[str, Any]]:
+        request = asyncio.create_task(pool.post("t", "/completions", {"model": "standin", "prompt": [1, 2, 3]}))
+        async with asyncio.timeout(WAIT):  # its first tokens have arrived
+            while not any(p.ids for p in pool._streams.values()):
+                await asyncio.sleep(0.01)
+        return request
+
+    async with ModelServerProcess(standin_argv(["one two three four five six seven eight"], latency_s=3.0)) as model:
+        async with LLMPool(config(weight_update="cut", wait_for_backend_s=0.2), [model.base_url]) as pool:
+            pool.resume(policy_version=0)
+            cancelled = await streaming(pool)
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            assert pool.in_flight == 0 and not pool._streams and pool.generated.cut == 0
+
+            request = await streaming(pool)
+            [partial] = pool._streams.values()
+            await asyncio.wait_for(pool.pause(), WAIT)
+            assert not request.done() and not partial.done  # cut, its tokens kept, waiting to be re-issued
+            kept = len(partial.ids)
+            pool.clear()
+            pool.resume(policy_version=1)
+            with pytest.raises(LLMUnavailable):
+                await asyncio.wait_for(request, WAIT)
+            generated = pool.generated
+    assert (generated.cut, generated.lost_requests, generated.lost_tokens, generated.answers) == (1, 1, kept, 0)
