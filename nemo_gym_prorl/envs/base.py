@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -67,6 +68,9 @@ class Episode:
     answer: str | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)  # the conversation so far; the agent loop appends
     session: Any = None  # environment-specific state (a Gym session's cookies)
+
+
+SpecHook = Callable[[SandboxSpec], SandboxSpec]
 
 
 class Environment(ABC):
@@ -133,9 +137,11 @@ class Environment(ABC):
         """The root of this environment's sandboxes, the agent's and its grader's: None for the backend's default."""
         return None
 
-    async def init(self, instance: TaskInstance) -> Episode:
+    async def init(self, instance: TaskInstance, spec_hook: SpecHook | None = None) -> Episode:
+        """The sandbox up and the task staged. `spec_hook` adjusts the episode's sandbox spec before it starts (a
+        harness's model proxy binds its socket in); graders' own sandboxes never see it."""
         spec = SandboxSpec(limits=self.task.limits, image=await self.sandbox_image())
-        sandbox = open_sandbox(self.sandbox_backend, spec)
+        sandbox = open_sandbox(self.sandbox_backend, spec_hook(spec) if spec_hook else spec)
         try:
             await sandbox.start()
             episode = Episode(instance=instance, sandbox=sandbox)

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from nemo_gym_prorl.contracts.responses import gym_output_items
 from nemo_gym_prorl.contracts.task import TaskConfig, TaskConfigError, TaskInstance
-from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Submission
+from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, SpecHook, Submission
 from nemo_gym_prorl.json_http import JsonHttp
 from nemo_gym_prorl.tool_calls import ToolCall
 from nemo_gym_prorl.tools import ToolOutput
@@ -103,7 +103,8 @@ class GymResourcesEnvironment(Environment):
     def tool_schemas(self, instance: TaskInstance | None = None) -> list[dict[str, Any]]:
         return chat_tools(row_create_params(instance.data).get("tools") or []) if instance is not None else []
 
-    async def init(self, instance: TaskInstance) -> Episode:
+    async def init(self, instance: TaskInstance, spec_hook: SpecHook | None = None) -> Episode:
+        # the server owns the sandbox: nothing here to hook (a harness runner refuses an episode without one)
         response = await self.http.post(f"{self.url}/seed_session", instance.data)
         response.raise_for_status()
         return Episode(instance=instance, sandbox=None, session=response.cookies)

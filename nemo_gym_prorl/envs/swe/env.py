@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance
-from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Probe, Submission
+from nemo_gym_prorl.envs.base import Environment, Episode, Evaluation, Probe, SpecHook, Submission
 from nemo_gym_prorl.envs.swe import repo as swe_repo
 from nemo_gym_prorl.envs.swe.images import resolve_image
 from nemo_gym_prorl.envs.swe.rows import RowFormat, SweRow, SweRowError, parse_row
@@ -90,9 +90,9 @@ class SweEnvironment(Environment):
         opening = [*(system if self.task.system_prompt else []), *self.task.example_messages()]
         return [*opening, {"role": "user", "content": user}]
 
-    async def init(self, instance: TaskInstance) -> Episode:
+    async def init(self, instance: TaskInstance, spec_hook: SpecHook | None = None) -> Episode:
         row = self.row(instance)
-        sandbox, base = await self._staged_sandbox(row)
+        sandbox, base = await self._staged_sandbox(row, spec_hook)
         return Episode(instance=instance, sandbox=sandbox, session={"base_commit": base})
 
     async def collect(self, episode: Episode) -> Submission:
@@ -124,7 +124,7 @@ class SweEnvironment(Environment):
         evaluation.details |= notes | {"patch_bytes": len(patch.encode())}
         return evaluation
 
-    async def _staged_sandbox(self, row: SweRow) -> tuple[Sandbox, str]:
+    async def _staged_sandbox(self, row: SweRow, spec_hook: SpecHook | None = None) -> tuple[Sandbox, str]:
         """A started sandbox with the row's base staged, and the base commit's id."""
         settings = self.settings
         image = resolve_image(settings.image, row, self.base_dir)
@@ -134,7 +134,7 @@ class SweEnvironment(Environment):
             tree = await image_tree(self.sandbox_backend, image, WORKDIR, settings.stage_timeout_s)
         env = {"PYTHONDONTWRITEBYTECODE": "1", "GIT_PAGER": "cat", "PAGER": "cat"}  # a pager would wait for a key
         spec = SandboxSpec(image=image, limits=self.task.limits, env=env, workspace=settings.workdir)
-        sandbox = open_sandbox(self.sandbox_backend, spec)
+        sandbox = open_sandbox(self.sandbox_backend, spec_hook(spec) if spec_hook else spec)
         try:
             await sandbox.start()
             base = await stage_repository(

@@ -1,0 +1,110 @@
+"""mini-swe-agent, installed from PyPI into a cached layer and run unmodified in a bubblewrap sandbox, solves an
+offline SWE instance against the stand-in model (mini-swe-agent's action format, deterministically) through the
+per-rollout proxy: every call it made is in the trajectory with token ids and log-probs, the patch it left is
+graded by the SWE env, and a harness that crashes or hangs is a critical_error with its reason."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from standin_helpers import running_standin
+
+from nemo_gym_prorl.agent.turns import http_poster
+from nemo_gym_prorl.contracts.sampling import SamplingParams
+from nemo_gym_prorl.contracts.task import TaskConfig, load_task
+from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, contiguity_violation
+from nemo_gym_prorl.envs import make_environment
+from nemo_gym_prorl.envs.dataset import load_instances
+from nemo_gym_prorl.envs.swe.env import SweEnvironment
+from nemo_gym_prorl.harness.calls import ModelCalls
+from nemo_gym_prorl.harness.runner import HarnessRunner
+from nemo_gym_prorl.json_http import JsonHttp
+from nemo_gym_prorl.models.tokenizer import Tokenizer
+
+TASK = "swe/offline_mini_swe_agent_harness"
+SAMPLING = SamplingParams(temperature=0.7, max_tokens=256, seed=3)
+# mini-swe-agent's text action format: a new file in the repository, then its submit command.
+SCRIPT = [
+    "THOUGHT: leave a mark.\n\n```mswea_bash_command\necho fixed > harness_was_here.txt\n```",
+    "THOUGHT: done.\n\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
+]
+
+
+@pytest.fixture(scope="module")
+def mini_model() -> Iterator[str]:
+    yield from running_standin(SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def env(rootfs: Path) -> SweEnvironment:
+    env = make_environment(load_task(TASK), "bwrap")
+    assert isinstance(env, SweEnvironment)
+    return env
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[JsonHttp]:
+    client = JsonHttp()
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def runner(env: SweEnvironment, base_url: str, http: JsonHttp, tokenizer: Tokenizer) -> HarnessRunner:
+    calls = ModelCalls(http_poster(http, base_url), "standin", tokenizer, SAMPLING)
+    return HarnessRunner(env, calls, "job-1:0")
+
+
+async def test_mini_swe_agent_finishes_an_offline_swe_rollout_with_every_call_in_the_trajectory(
+    env: SweEnvironment, mini_model: str, http: JsonHttp, tokenizer: Tokenizer
+) -> None:
+    instance = load_instances(env.task.dataset, limit=1)[0]
+    run = runner(env, mini_model, http, tokenizer)
+    trajectory = await run.run(instance)
+    assert trajectory.critical_error is None, trajectory.error
+    assert trajectory.finish == "finish"
+    assert "harness_was_here.txt" in (trajectory.submission or {}).get("patch", "")
+    recorded = run.calls.calls
+    assert len(recorded) == 2  # mini's two actions, each one model call
+    turns = [turn for segment in trajectory.segments for turn in segment]
+    assert len(turns) == 2 and all(contiguity_violation(s) is None for s in trajectory.segments)
+    for turn, call in zip(turns, recorded, strict=True):
+        assert all(turn[field] for field in TOKEN_FIELDS)
+        assert turn["generation_token_ids"] == call.turn.generation_token_ids
+        assert len(turn["generation_log_probs"]) == len(turn["generation_token_ids"])
+    assert recorded[0].messages[-1]["content"].startswith(env.first_prompt(instance)[-1]["content"][:40])
+    assert trajectory.mask_reason() is None
+
+
+def broken(task: TaskConfig, command: list[str], timeout_s: float) -> SweEnvironment:
+    assert task.harness is not None
+    harness = task.harness.model_copy(update={"command": command, "timeout_s": timeout_s})
+    env = make_environment(task.model_copy(update={"harness": harness}), "bwrap")
+    assert isinstance(env, SweEnvironment)
+    return env
+
+
+@pytest.mark.parametrize(
+    ("command", "timeout_s", "critical", "reason"),
+    [
+        (
+            ["python3", "-c", "import sys; print('boom'); sys.exit(3)"],
+            60.0,
+            "run",
+            "exited 3; output ends: 'boom",
+        ),
+        (["sleep", "600"], 2.0, "timeout", "no exit within 2 s (it was stopped)"),
+    ],
+)
+async def test_a_harness_that_crashes_or_hangs_is_a_masked_critical_error_with_its_reason(
+    env: SweEnvironment, mini_model: str, http: JsonHttp, tokenizer: Tokenizer,
+    command: list[str], timeout_s: float, critical: str, reason: str,
+) -> None:  # fmt: skip
+    failing = broken(env.task, command, timeout_s)
+    trajectory = await runner(failing, mini_model, http, tokenizer).run(load_instances(env.task.dataset, limit=1)[0])
+    assert trajectory.critical_error == critical
+    assert reason in (trajectory.error or "") and trajectory.mask_reason() is not None
+    assert trajectory.reward == 0.0
