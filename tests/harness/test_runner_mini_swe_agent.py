@@ -5,6 +5,9 @@ graded by the SWE env, and a harness that crashes or hangs is a critical_error w
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -108,3 +111,40 @@ async def test_a_harness_that_crashes_or_hangs_is_a_masked_critical_error_with_i
     assert trajectory.critical_error == critical
     assert reason in (trajectory.error or "") and trajectory.mask_reason() is not None
     assert trajectory.reward == 0.0
+    assert not running(command)  # no harness process outlives its rollout
+
+
+def running(command: list[str]) -> list[int]:
+    """The host's processes running `command` (a sandbox's processes are the host's too, in their own namespace)."""
+    wanted = "\0".join(command).encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0") == wanted:
+                found.append(int(pid))
+    return found
+
+
+# Run as the harness: the host's loopback listener is out of reach, the proxy (and through it the model) is not.
+PROBE = """
+import json, os, socket, sys, urllib.request
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5).close()
+    sys.exit("reached the host's loopback listener")
+except ConnectionRefusedError:
+    pass
+with urllib.request.urlopen(os.environ["OPENAI_BASE_URL"] + "/models", timeout=10) as answer:
+    print(json.dumps([m["id"] for m in json.load(answer)["data"]]))
+"""
+
+
+async def test_the_harness_reaches_its_proxy_and_not_the_hosts_loopback(
+    env: SweEnvironment, mini_model: str, http: JsonHttp, tokenizer: Tokenizer
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        probing = broken(env.task, ["python3", "-c", PROBE, str(port)], 60.0)
+        trajectory = await runner(probing, mini_model, http, tokenizer).run(
+            load_instances(env.task.dataset, limit=1)[0]
+        )
+    assert (trajectory.critical_error, trajectory.error, trajectory.finish) == (None, None, "finish")
