@@ -1,13 +1,14 @@
-"""`prorl bench async`: a simulated trainer against the rollout service, synchronous vs asynchronous (lag 1).
+"""`prorl bench async`: a simulated trainer against the rollout service, synchronous vs asynchronous (lag 1), with
+the pool's weight updates letting requests in flight finish (async) or cutting and re-issuing them (cut).
 
 Each training step takes a batch of GRPO groups (jobs of n samples), trains on it for a fixed time (the GPU step it
 stands for), then updates the weights through the service: pause the pool (requests in flight finish), resume with
 the next policy version. Synchronous: generate step k's batch, train, update. Asynchronous with lag 1: step k+1's
 batch is submitted before step k trains, so its generation overlaps the training, and its jobs carry
 ``max_version_lag=1`` (``on_stale=rerun``). The model is the stand-in with long-tailed latency (a Pareto draw per
-turn); sandboxes are real bubblewrap ones. Rounds alternate the two modes. Printed per mode: rollouts per second of
-wall time, and what the updates cost: rollouts rerun or lost, and tokens generated that no result holds. The last
-line is async / sync (goal >= 1.5x, with 0 lost).
+turn); sandboxes are real bubblewrap ones. Rounds alternate the three modes. Printed per mode: rollouts per second
+of wall time, and what the updates cost: rollouts rerun or lost, requests cut, and tokens generated that no result
+holds. The last lines are async / sync and cut / sync (goal >= 1.5x, with 0 lost).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from nemo_gym_prorl.models.standin import standin_argv
 from nemo_gym_prorl.service.client import RolloutClient
 
 ROW = {"id": "async", "question": "Calculate 6 * 7.", "answer": "42"}
+MODES = ("sync", "async", "cut")  # cut: asynchronous, the pool's weight_update=cut
 SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]  # a tool call, then the answer: two model turns
 
 
@@ -51,6 +53,7 @@ class Run:
     unusable: int
     stale: int  # rollouts found stale: run again, their work lost to an update
     lost_tokens: int  # generated, in no result
+    cut: int  # requests cut by a weight update and re-issued
 
     @property
     def rate(self) -> float:
@@ -103,21 +106,23 @@ class Trainer:
 async def one_run(model_url: str, args: Args, mode: str) -> Run:
     with TemporaryDirectory(prefix="prorl-bench-async-") as tmp:
         settings = ServiceSettings(
-            port=0, store=Path(tmp) / "jobs.db", llm_pool=LLMPoolConfig(health_interval_s=0), max_n=args.n
-        )
+            port=0, store=Path(tmp) / "jobs.db", max_n=args.n,
+            llm_pool=LLMPoolConfig(health_interval_s=0, weight_update="cut" if mode == "cut" else "finish"),
+        )  # fmt: skip
         model = ModelConfig(kind="remote", addresses=[model_url], served_model_name="standin")
         async with run_service(ServiceConfig(service=settings, model=model)) as svc, RolloutClient(svc.url) as client:
             await client.resume_llm(policy_version=0)
-            trainer = Trainer(svc, client, args, lag=1 if mode == "async" else None)
+            trainer = Trainer(svc, client, args, lag=None if mode == "sync" else 1)
             started = time.perf_counter()
-            await (trainer.asynchronous() if mode == "async" else trainer.synchronous())
+            await (trainer.synchronous() if mode == "sync" else trainer.asynchronous())
             wall_s = time.perf_counter() - started
             generated = svc.orchestrator.pool.generated
             stale = (await client.status())["stale_rollouts"]
     results = [t for view in trainer.views for t in view.results]
     kept = sum(len(turn["generation_token_ids"]) for t in results for turn in t.assistant_turns())
     usable = sum(1 for t in results if t.mask_reason() is None)
-    return Run(mode, wall_s, usable, len(results) - usable, stale, generated.completion_tokens - kept)
+    lost_tokens = generated.completion_tokens - kept
+    return Run(mode, wall_s, usable, len(results) - usable, stale, lost_tokens, generated.cut)
 
 
 async def measure(args: Args) -> list[Run]:
@@ -125,11 +130,12 @@ async def measure(args: Args) -> list[Run]:
     argv = standin_argv(SCRIPT, latency_s=args.latency_s, latency_tail=args.tail)
     async with ModelServerProcess(argv) as model:
         for _ in range(args.rounds):
-            for mode in ("sync", "async"):
+            for mode in MODES:
                 run = await one_run(model.base_url, args, mode)
                 print(
                     f"{mode:>5}: {run.rollouts} rollouts in {run.wall_s:.1f} s = {run.rate:.2f}/s; unusable "
-                    f"{run.unusable}, rerun as stale {run.stale}, tokens lost to updates {run.lost_tokens}",
+                    f"{run.unusable}, rerun as stale {run.stale}, requests cut {run.cut}, tokens lost to updates "
+                    f"{run.lost_tokens}",
                     flush=True,
                 )
                 runs.append(run)
@@ -147,12 +153,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="sync/async pairs, alternating")
     args = Args(**vars(parser.parse_args(argv)))
     runs = asyncio.run(measure(args))
-    rates = {mode: [r.rate for r in runs if r.mode == mode] for mode in ("sync", "async")}
-    ratios = [a / s for s, a in zip(rates["sync"], rates["async"], strict=True)]
-    lost = sum(r.stale + r.unusable for r in runs if r.mode == "async")
-    lost_tokens = sum(r.lost_tokens for r in runs)
-    spread = f" (rounds {min(ratios):.2f}-{max(ratios):.2f}x)" if len(ratios) > 1 else ""
-    print(
-        f"async / sync rollouts per second: {statistics.median(ratios):.2f}x median{spread} (goal >= 1.5x); "
-        f"rollouts lost or rerun in async: {lost}, tokens lost to updates: {lost_tokens} (goal 0)"
-    )
+    rates = {mode: [r.rate for r in runs if r.mode == mode] for mode in MODES}
+    for mode in MODES[1:]:
+        ratios = [a / s for s, a in zip(rates["sync"], rates[mode], strict=True)]
+        lost = sum(r.stale + r.unusable for r in runs if r.mode == mode)
+        lost_tokens = sum(r.lost_tokens for r in runs if r.mode == mode)
+        spread = f" (rounds {min(ratios):.2f}-{max(ratios):.2f}x)" if len(ratios) > 1 else ""
+        print(
+            f"{mode} / sync rollouts per second: {statistics.median(ratios):.2f}x median{spread} (goal >= 1.5x); "
+            f"rollouts lost or rerun in {mode}: {lost}, tokens lost to updates: {lost_tokens} (goal 0)"
+        )
