@@ -1,5 +1,5 @@
 """A task file's `harness:` section: the shipped mini-swe-agent task loads, and a bad section is refused with one
-line naming the file and the field."""
+line naming the file and the field; a harness layer pip cannot build is an ImageError naming what failed."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from nemo_gym_prorl.contracts.task import TASKS_DIR, TaskConfigError, load_task
+from nemo_gym_prorl.sandbox.images import ImageError
+from nemo_gym_prorl.sandbox.layers import build_pip_layer
 
 
 def test_the_mini_swe_agent_task_names_its_harness_and_no_tools() -> None:
@@ -74,3 +76,9 @@ def test_a_good_harness_section_resolves_its_config_beside_the_task_file(tmp_pat
     harness = load_task(str(path)).harness
     assert harness is not None and harness.config_file == (tmp_path / "agent.yaml").resolve()
     assert harness.install.npm == ["@openai/codex@0.1.2"] and harness.answer_file == "answer.txt"
+
+
+def test_a_layer_pip_cannot_build_is_an_image_error_naming_the_package(rootfs: Path, tmp_path: Path) -> None:
+    with pytest.raises(ImageError, match=r"^pip install mini-swe-agent==0\.0\.0\.1 failed \(exit 1\):"):
+        build_pip_layer(["mini-swe-agent==0.0.0.1"], rootfs, cache=tmp_path)
+    assert not list((tmp_path / "layers").glob("pip-*"))  # nothing half-built is left to be taken for a layer
