@@ -231,6 +231,10 @@ def field_error(error: ValidationError, model: type[BaseModel], prefix: str = ""
 def _keys_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """The keys `model` may hold at `loc` (() the top, ("limits",) a task file's limits)."""
     for key in loc:
+        if isinstance(key, int):  # an item of a list: its model is the list's
+            continue
+        if str(key) not in model.model_fields:
+            return []
         annotation = model.model_fields[str(key)].annotation
         # an optional section (`harness: HarnessConfig | None`) lists its model's keys
         found = [a for a in (annotation, *get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
