@@ -76,7 +76,8 @@ def _program_process(problem: dict, job: dict, workdir: str, start: int, report_
             _send(report_fd, nonce, {"start": i})
             soft = min(cpu_cap, int(_cpu_used() + timeout_s) + 1)
             resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_cap))
-            _send(report_fd, nonce, {"result": i, **_test_in_process(problem, i, workdir, base, program, job["output_cap_bytes"])})
+            result = _test_in_process(problem, i, inputs[i], workdir, base, program, job["output_cap_bytes"])
+            _send(report_fd, nonce, {"result": i, **result})
     except BaseException:
         code = 70  # this runner's own failure, told on the test's stderr
         try:
@@ -90,7 +91,9 @@ def _program_process(problem: dict, job: dict, workdir: str, start: int, report_
         os._exit(code)
 
 
-def _test_in_process(problem: dict, i: int, workdir: str, base: dict, program: list, output_cap: int) -> dict:
+def _test_in_process(
+    problem: dict, i: int, test_input: str, workdir: str, base: dict, program: list, output_cap: int
+) -> dict:
     """Test `i` here; what it printed, returned and raised, and whether it got to the end."""
     stdout_path, stderr_path = os.path.join(workdir, "stdout.txt"), os.path.join(workdir, "stderr.txt")
     _redirect(os.path.join(workdir, f"in-{i}.txt"), stdout_path, stderr_path)
@@ -116,8 +119,7 @@ def _test_in_process(problem: dict, i: int, workdir: str, base: dict, program: l
                     fn = namespace.get(fn_name)
                 if fn is None:
                     raise NameError(f"the program defines no {fn_name!r}")
-                with open(os.path.join(workdir, f"in-{i}.txt")) as f:
-                    args = [json.loads(line) for line in f.read().split("\n") if line.strip()]
+                args = [json.loads(line) for line in test_input.split("\n") if line.strip()]
                 value = json.dumps(fn(*args), default=repr)
             else:  # humaneval
                 exec(program[0], namespace)
@@ -335,19 +337,14 @@ def _run_program(problem: dict, job: dict, workdir: str, start: int) -> "tuple[l
     os.close(write_end)
     os.set_blocking(read_end, False)  # a process the program left alive may hold the write end open
     pidfd = os.pidfd_open(pid)
-    results, current, started, pending, stop, exited = [], None, 0.0, b"", False, False
+    results, current, started, pending, stop, timed_out = [], None, 0.0, b"", False, False
     try:
         while not stop:
             wait_s = None if current is None else max(0.0, started + job["timeout_s"] - time.monotonic())
             ready, _, _ = select.select([read_end, pidfd], [], [], wait_s)
-            if not ready:  # the current test overran its limit
-                _kill_group(pid)
-                results.append(_status(problem, {**_outputs(workdir, job), "timed_out": True,
-                                                 "time_s": round(time.monotonic() - started, 4)}))
-                stop = job.get("stop_on_failure", True)
-                current = None
+            timed_out = not ready  # the current test overran its limit
+            if timed_out:
                 break
-            exited = pidfd in ready
             try:
                 while True:
                     chunk = os.read(read_end, 1 << 16)
@@ -365,20 +362,19 @@ def _run_program(problem: dict, job: dict, workdir: str, start: int) -> "tuple[l
                 if "start" in message:
                     current, started = message["start"], time.monotonic()
                 elif message.get("result") == current:
-                    result = _status(problem, message)
-                    results.append(result)
-                    stop = job.get("stop_on_failure", True) and _failed(problem, current, result)
+                    results.append(_status(problem, message))
+                    stop = job.get("stop_on_failure", True) and _failed(problem, current, results[-1])
                     current = None
                     if stop:
                         break
-            if exited:
+            if pidfd in ready:
                 break
         _kill_group(pid)
         _, status = os.waitpid(pid, 0)
-        if current is not None:  # the test that ended its process
-            facts = {**_outputs(workdir, job), "time_s": round(time.monotonic() - started, 4),
+        if current is not None:  # the test that overran or ended its process: what it left, and how it ended
+            facts = {**_outputs(workdir, job), "time_s": round(time.monotonic() - started, 4), "timed_out": timed_out,
                      "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-                     "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None}
+                     "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) and not timed_out else None}
             results.append(_status(problem, facts))
             stop = job.get("stop_on_failure", True) and _failed(problem, current, results[-1])
     finally:
