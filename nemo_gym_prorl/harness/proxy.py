@@ -1,15 +1,16 @@
 """A rollout's model proxy: an HTTP server on a Unix socket of its own, reachable from inside a sandbox without
 network.
 
-The socket's fresh directory is bound into the sandbox (`sandbox_spec`); `connect` starts the loopback forwarder
-(`forwarder.py`) inside, so a harness's ``OPENAI_BASE_URL=http://127.0.0.1:PORT/v1`` reaches this proxy while the
-sandbox's own network namespace (bubblewrap unshares it unless the spec asks for network) reaches nothing else. On
-the host the directory has a random name under one others may pass through but not list: its path is the way in.
+The socket's fresh directory is bound into the sandbox (`sandbox_spec`); `connect` runs the forwarder
+(`forwarder.py`) inside, which listens on the sandbox's own loopback and hands the listening socket over, so a
+harness's ``OPENAI_BASE_URL=http://127.0.0.1:PORT/v1`` connects to this proxy directly while the sandbox's own
+network namespace (bubblewrap unshares it unless the spec asks for network) reaches nothing else. On the host the
+directory has a random name under one others may pass through but not list: its path is the way in.
 
 The server is uvicorn in the caller's event loop, the caller's signal handlers left alone (many rollouts' proxies
-start and stop out of order; uvicorn's handlers would be restored out of order with them). `close()` stops the
-forwarder (reaped inside the sandbox), then the server, then removes the socket. The rollout's limits
-(`ProxyConfig.deadline_s`, `token_budget`, `max_calls`) hold from `start()`. Usage: docs/harness.md.
+start and stop out of order; uvicorn's handlers would be restored out of order with them). `close()` closes the
+sandbox's port and stops the forwarder (reaped inside the sandbox), then the server, then removes the socket. The
+rollout's limits (`ProxyConfig.deadline_s`, `token_budget`, `max_calls`) hold from `start()`. Usage: docs/harness.md.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ from starlette.routing import Route
 from nemo_gym_prorl.contracts.sandbox import BindMount, Sandbox, SandboxSpec
 from nemo_gym_prorl.harness import chat_completions, messages, responses
 from nemo_gym_prorl.harness.calls import ModelCalls
-from nemo_gym_prorl.harness.forwarder import READY_PATH
 
 FORWARDER = Path(__file__).with_name("forwarder.py")
 SOCKET_NAME = "model.sock"
+HANDOVER_NAME = "handover.sock"  # where the forwarder hands over its listener, during `connect` only
 
 
 class ProxyConfig(BaseModel):
@@ -48,7 +49,7 @@ class ProxyConfig(BaseModel):
     mount_point: str = Field("/.prorl-model", description="where the socket's directory appears in the sandbox")
     python: str = Field("python3", description="the sandbox's interpreter that runs the forwarder")
     api_key: str = Field("prorl-proxy", description="OPENAI_API_KEY for the harness (which may insist on one)")
-    forwarder_start_s: float = Field(30.0, gt=0, description="how long connect waits for the forwarder to listen")
+    forwarder_start_s: float = Field(30.0, gt=0, description="how long connect waits for the forwarder's listener")
     shutdown_grace_s: float = Field(1.0, ge=0, description="how long close lets a call in flight finish")
     deadline_s: float | None = Field(None, gt=0, description="no model call answered after this (the task's time limit)")
     token_budget: int | None = Field(None, ge=1, description="tokens the rollout's calls may generate in all")
@@ -60,9 +61,30 @@ class ProxyError(RuntimeError):
 
 
 class _InLoopServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = asyncio.Event()
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        self.listening.set()
+
+    async def add_listener(self, sock: socket.socket) -> asyncio.Server:
+        """Serve `sock` too, from now on: its connections are counted, and shut down, with the server's own."""
+        config = self.config
+
+        def protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=_loop
+            )
+
+        server = await asyncio.get_running_loop().create_server(protocol, sock=sock, backlog=config.backlog)
+        self.servers.append(server)
+        return server
 
 
 class ModelProxy:
@@ -75,7 +97,8 @@ class ModelProxy:
         self._server: _InLoopServer | None = None
         self._serving: asyncio.Task[None] | None = None
         self._forwarder: asyncio.Task[Any] | None = None
-        self._ready: asyncio.Future[None] | None = None
+        self._handover: socket.socket | None = None  # held open: the forwarder waits on it
+        self._port: asyncio.Server | None = None  # the sandbox's loopback listener, served here
 
     @property
     def socket_path(self) -> Path:
@@ -124,34 +147,81 @@ class ModelProxy:
                 self._app(), log_config=None, log_level="warning", access_log=False, lifespan="off",
                 timeout_graceful_shutdown=self.config.shutdown_grace_s,
             )  # fmt: skip
-            self._server = _InLoopServer(config)
-            self._serving = asyncio.create_task(self._server.serve(sockets=[sock]))
+            self._server = server = _InLoopServer(config)
+            self._serving = serving = asyncio.create_task(server.serve(sockets=[sock]))
+            listening = asyncio.ensure_future(server.listening.wait())
+            await asyncio.wait({listening, serving}, return_when=asyncio.FIRST_COMPLETED)
+            listening.cancel()
+            if not server.listening.is_set():
+                raise ProxyError(f"the model proxy's server did not start: {serving.exception()!r}")
         except BaseException:
             await self.close()
             raise
 
     async def connect(self, sandbox: Sandbox, lifetime_s: float) -> None:
-        """Start the forwarder in `sandbox` (started from `sandbox_spec`) and return once it listens. It lives at
-        most `lifetime_s` (the rollout's deadline), and until `close()`."""
+        """Start the forwarder in `sandbox` (started from `sandbox_spec`) and return once its listener is served
+        here. The port stays open at most `lifetime_s` (the rollout's deadline), and until `close()`."""
         if self._forwarder is not None:
             raise ProxyError("the model proxy is already connected to a sandbox")
-        self._ready = asyncio.get_running_loop().create_future()
-        mount = self.config.mount_point
-        argv = [self.config.python, f"{mount}/{FORWARDER.name}", f"{mount}/{SOCKET_NAME}", str(self.config.port)]
-        self._forwarder = forwarder = asyncio.create_task(sandbox.exec(argv, timeout=lifetime_s))
-        await asyncio.wait(
-            {self._ready, forwarder}, timeout=self.config.forwarder_start_s, return_when=asyncio.FIRST_COMPLETED
-        )
-        if self._ready.done():
+        mount, path = self.config.mount_point, self.socket_path.with_name(HANDOVER_NAME)
+        argv = [self.config.python, f"{mount}/{FORWARDER.name}", f"{mount}/{HANDOVER_NAME}", str(self.config.port)]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as handover:
+            handover.bind(str(path))
+            path.chmod(0o666)
+            handover.listen(1)
+            handover.setblocking(False)
+            self._forwarder = forwarder = asyncio.create_task(sandbox.exec(argv, timeout=lifetime_s))
+            received = asyncio.create_task(self._receive_listener(handover))
+            try:
+                await asyncio.wait(
+                    {received, forwarder}, timeout=self.config.forwarder_start_s, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                path.unlink(missing_ok=True)
+                received.cancel()
+                (got,) = await asyncio.gather(received, return_exceptions=True)
+        if isinstance(got, asyncio.Server):
+            self._port = got
+            forwarder.add_done_callback(lambda _: got.close())  # the forwarder's lifetime is the port's
             return
-        if forwarder.done():
+        ended = forwarder.done()
+        await self._stop_forwarder()
+        if isinstance(got, Exception):
+            raise got if isinstance(got, ProxyError) else ProxyError(f"the model forwarder's hand-over failed: {got}")
+        if ended:
             result = forwarder.result()
             raise ProxyError(
                 f"the model forwarder in the sandbox ended (exit {result.exit_code}) before it listened on port "
                 f"{self.config.port}: {result.output.strip()[-500:]}"
             )
-        await self._stop_forwarder()
         raise ProxyError(f"the model forwarder in the sandbox did not listen within {self.config.forwarder_start_s:g}s")
+
+    async def _receive_listener(self, handover: socket.socket) -> asyncio.Server:
+        """The listening socket the forwarder sends (SCM_RIGHTS), served from now on."""
+        loop = asyncio.get_running_loop()
+        connection, _ = await loop.sock_accept(handover)
+        try:
+            readable = loop.create_future()
+            loop.add_reader(connection.fileno(), lambda: readable.done() or readable.set_result(None))
+            try:
+                await readable
+            finally:
+                loop.remove_reader(connection.fileno())
+            _, fds, _, _ = socket.recv_fds(connection, 1, 1)
+        except BaseException:
+            connection.close()
+            raise
+        self._handover = connection
+        if not fds:
+            raise ProxyError("the model forwarder in the sandbox handed over no socket")
+        listener = socket.socket(fileno=fds[0])
+        if (listener.family, listener.type) != (socket.AF_INET, socket.SOCK_STREAM) or not listener.getsockopt(
+            socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+        ):
+            listener.close()
+            raise ProxyError("the model forwarder in the sandbox handed over a socket that is not a TCP listener")
+        assert self._server is not None
+        return await self._server.add_listener(listener)
 
     async def close(self) -> None:
         """Idempotent: the forwarder, the server and the socket's directory are gone when it returns."""
@@ -165,7 +235,12 @@ class ModelProxy:
             self._folder = None
 
     async def _stop_forwarder(self) -> None:
-        """Cancelling the exec kills the forwarder's process group and reaps it (the sandbox's join helper)."""
+        """Closes the sandbox's port; cancelling the exec kills the forwarder's process group and reaps it (the
+        sandbox's join helper)."""
+        for closing in (self._port, self._handover):
+            if closing is not None:
+                closing.close()
+        self._port = self._handover = None
         forwarder, self._forwarder = self._forwarder, None
         if forwarder is not None:
             forwarder.cancel()
@@ -177,18 +252,12 @@ class ModelProxy:
             routes=[
                 *(Route(path, functools.partial(api.endpoint, self.calls), methods=["POST"]) for path, api in apis.items()),
                 Route("/v1/models", self._models),
-                Route(READY_PATH, self._forwarder_ready, methods=["POST"]),
             ]
         )
 
     async def _models(self, request: Request) -> Response:
         model = {"id": self.calls.model, "object": "model", "owned_by": "nemo-gym-prorl"}
         return JSONResponse({"object": "list", "data": [model]})
-
-    async def _forwarder_ready(self, request: Request) -> Response:
-        if self._ready is not None and not self._ready.done():
-            self._ready.set_result(None)
-        return Response(status_code=200)
 
     async def __aenter__(self) -> Self:
         await self.start()
