@@ -1,22 +1,23 @@
 """OpenAI's Responses API over the proxy's core: ``POST /v1/responses``, plain JSON or ``stream: true`` (Codex CLI).
 
 ``instructions`` become the system message and ``input`` (a string, or items) the chat messages: ``message`` items
-(``input_text``/``output_text`` parts; ``developer`` read as ``system``), ``function_call`` items joined onto the
-assistant message before them as its tool calls, ``function_call_output`` items as tool messages; ``reasoning``
-items are dropped (the proxy's replies carry none). Function tools (``{"type": "function", "name", "parameters"}``)
-become OpenAI function tools; other tool types (web search, ...) are left out and named in ``harness_params``.
-The reply is a ``message`` output item and one ``function_call`` item per tool call. Nothing is stored: Codex sends
-``store: false`` and its whole input every call, so ``previous_response_id`` is a 400. A stream is the finished
-call as Responses events (``response.created`` ... ``response.output_text.delta`` ...
-``response.function_call_arguments.done`` ... ``response.completed``). Errors have OpenAI's shape.
+(``input_text``/``output_text`` parts; ``developer`` read as ``system``), ``function_call``/``custom_tool_call`` items
+joined onto the assistant message before them as its tool calls, their ``*_output`` items as tool messages;
+``reasoning`` items are dropped (the proxy's replies carry none). Function tools, custom (freeform) tools as a
+function of one string ``input``, and the tools of a ``namespace`` become OpenAI function tools; other tool types
+(web search, ...) are left out and named in ``harness_params``. The reply is a ``message`` item and a call item per
+tool call in its tool's kind (with its namespace). Nothing is stored: Codex sends ``store: false`` and its whole
+input every call, so ``previous_response_id`` is a 400. A stream is the finished call as Responses events
+(``response.created`` ... ``response.output_text.delta`` ... ``response.completed``). Errors have OpenAI's shape.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -61,18 +62,52 @@ def call_request(body: Any) -> tuple[CallRequest, ResponsesRequest]:
             _add_item(messages, item, f"input.{i}")
     if not messages:
         raise BadRequest("responses request: input: no messages")
-    tools, other = [], []
-    for tool in request.tools or ():
-        if tool.get("type") == "function" and isinstance(tool.get("name"), str):
-            function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-            tools.append({"type": "function", "function": function})
-        else:
-            other.append(tool.get("type"))
+    tools, other = served_tools(request.tools or ())
     asked = request.model_dump(exclude=_USED, exclude_unset=True) | ({"unserved_tools": other} if other else {})
+    functions = [{"type": "function", "function": tool.function} for tool in tools.values()]
     core = CallRequest(
-        api=API, messages=messages, tools=tools or None, max_tokens=request.max_output_tokens, harness_params=asked
+        api=API, messages=messages, tools=functions or None, max_tokens=request.max_output_tokens, harness_params=asked
     )
     return core, request
+
+
+class Served(NamedTuple):
+    """A Responses tool as the model sees it: an OpenAI function, and what its calls go back as."""
+
+    function: dict[str, Any]
+    custom: bool  # a freeform tool: its call's `input` is the function's one string argument
+    namespace: str | None
+
+
+def served_tools(tools: Any) -> tuple[dict[str, Served], list[str]]:
+    """The function, custom and namespaced tools by the name the model calls them, and what is left out: other
+    tool types (web search, ...) by their type, a name offered twice by its second offer."""
+    served: dict[str, Served] = {}
+    other: list[str] = []
+    for tool in tools:
+        namespaced = tool.get("type") == "namespace"
+        for member in tool.get("tools") or () if namespaced else (tool,):
+            kind, name = member.get("type"), member.get("name")
+            if kind not in {"function", "custom"} or not isinstance(name, str) or name in served:
+                left_out = name if kind in {"function", "custom"} else kind
+                other.append(f"{tool.get('name')}.{left_out}" if namespaced else str(left_out))
+                continue
+            function = {k: member[k] for k in ("name", "description", "parameters") if k in member}
+            if kind == "custom":
+                function |= {"description": _freeform(member), "parameters": _INPUT}
+            served[name] = Served(function, kind == "custom", tool.get("name") if namespaced else None)
+    return served, other
+
+
+_INPUT = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+
+
+def _freeform(tool: dict[str, Any]) -> str:
+    """A custom tool's description, with the grammar its input follows when it names one."""
+    text, form = tool.get("description") or "", tool.get("format") or {}
+    if form.get("type") == "grammar" and form.get("definition"):
+        text += f"\n\nThe input follows this {form.get('syntax', '')} grammar:\n{form['definition']}"
+    return text.strip()
 
 
 def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
@@ -82,20 +117,22 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) 
         if role not in {"system", "user", "assistant"}:
             raise BadRequest(f"responses request: {where}.role: expected user, assistant, system or developer")
         messages.append({"role": role, "content": text_of(item.get("content"), _TEXT, f"{where}.content")})
-    elif kind == "function_call":
+    elif kind in {"function_call", "custom_tool_call"}:
+        custom = kind == "custom_tool_call"  # its `input` is the one argument of the function the model saw
+        arguments = json.dumps({"input": item.get("input")}) if custom else (item.get("arguments") or "{}")
         call = {"id": item.get("call_id"), "type": "function"}
-        call["function"] = {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}
+        call["function"] = {"name": item.get("name"), "arguments": arguments}
         if not messages or messages[-1]["role"] != "assistant":  # else: the text the model wrote before its calls
             messages.append({"role": "assistant", "content": None})
         messages[-1].setdefault("tool_calls", []).append(call)
-    elif kind == "function_call_output":
+    elif kind in {"function_call_output", "custom_tool_call_output"}:
         output = item.get("output")
         content = output if isinstance(output, str) else text_of(output, _TEXT, f"{where}.output")
         messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
     elif kind != "reasoning":
         raise BadRequest(
-            f"responses request: {where}.type: expected message, function_call, function_call_output or reasoning, "
-            f"got {kind!r}"
+            f"responses request: {where}.type: expected message, function_call, custom_tool_call, their outputs or "
+            f"reasoning, got {kind!r}"
         )
 
 
@@ -104,12 +141,9 @@ def _response(call: ModelCall, request: ResponsesRequest, model: str) -> dict[st
     if call.reply.get("content"):
         part = {"type": "output_text", "text": call.reply["content"], "annotations": []}
         output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant", "content": [part]})
+    served, _ = served_tools(request.tools or ())
     for tool_call in call.reply.get("tool_calls") or ():
-        function = tool_call["function"]
-        output.append({
-            "type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": tool_call["id"],
-            "name": function["name"], "arguments": function["arguments"],
-        })  # fmt: skip
+        output.append(_call_item(tool_call, served.get(tool_call["function"]["name"])))
     for item in output:
         item["status"] = "completed"
     prompt, generated = len(call.turn.prompt_token_ids), len(call.turn.generation_token_ids)
@@ -127,6 +161,20 @@ def _response(call: ModelCall, request: ResponsesRequest, model: str) -> dict[st
             "total_tokens": prompt + generated,
         },
     }  # fmt: skip
+
+
+def _call_item(tool_call: dict[str, Any], tool: Served | None) -> dict[str, Any]:
+    """A tool call as its tool's output item: a `function_call`, or a `custom_tool_call` with its `input`."""
+    name, arguments = tool_call["function"]["name"], tool_call["function"]["arguments"]
+    item: dict[str, Any] = {"call_id": tool_call["id"], "name": name}
+    if tool is not None and tool.custom:
+        parsed = json.loads(arguments)  # the core's calls carry JSON arguments
+        given = parsed.get("input") if isinstance(parsed, dict) else None
+        text = given if isinstance(given, str) else arguments
+        item |= {"type": "custom_tool_call", "id": f"ctc_{uuid.uuid4().hex}", "input": text}
+    else:
+        item |= {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "arguments": arguments}
+    return item | ({"namespace": tool.namespace} if tool is not None and tool.namespace else {})
 
 
 def _events(response: dict[str, Any], request: ResponsesRequest) -> Iterator[bytes]:
@@ -148,6 +196,11 @@ def _events(response: dict[str, Any], request: ResponsesRequest) -> Iterator[byt
             yield sent("response.output_text.delta", **where, content_index=0, delta=text, logprobs=[])
             yield sent("response.output_text.done", **where, content_index=0, text=text, logprobs=[])
             yield sent("response.content_part.done", **where, content_index=0, part=item["content"][0])
+        elif item["type"] == "custom_tool_call":
+            started_item = item | {"status": "in_progress", "input": ""}
+            yield sent("response.output_item.added", output_index=index, item=started_item)
+            yield sent("response.custom_tool_call_input.delta", **where, delta=item["input"])
+            yield sent("response.custom_tool_call_input.done", **where, input=item["input"])
         else:
             yield sent("response.output_item.added", output_index=index, item=item | {"status": "in_progress", "arguments": ""})
             yield sent("response.function_call_arguments.delta", **where, delta=item["arguments"])
