@@ -51,7 +51,13 @@ from nemo_gym_prorl.sandbox.limits import (
 )
 from nemo_gym_prorl.sandbox.pty_shell import DEFAULT_MAX_DRAINED_BYTES, PtyShell, ShellLauncher, _poll_until
 from nemo_gym_prorl.sandbox.seccomp import bpf_program
-from nemo_gym_prorl.sandbox.workspace import HostWorkspace, lexical_relative, remove_tree, too_large_message
+from nemo_gym_prorl.sandbox.workspace import (
+    HostWorkspace,
+    lexical_relative,
+    overlay_changes,
+    remove_tree,
+    too_large_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -453,6 +459,14 @@ class BwrapSandbox(SandboxLifecycle):
         raise SandboxError(f"{op} of {path} failed: {result.output.strip()} (exit {result.exit_code})")
 
     # -- fork --------------------------------------------------------------------------------------------------
+
+    async def changed_paths(self, limit: int = 10_000) -> list[str] | None:
+        """For a fork: the workspace paths it changed since it was forked (its overlay's upper dir holds exactly
+        those, `overlay_changes`), None past `limit` of them. None for a sandbox that is no fork."""
+        writable = self.writable_dir
+        if self._snapshot is None or writable is None:
+            return None
+        return await asyncio.to_thread(overlay_changes, writable / "upper", limit)
 
     async def _copy_workspace_to(self, target: Path) -> None:
         """Copy this sandbox's workspace as its processes see it (a fork's is its overlay) into `target`, with every

@@ -12,7 +12,7 @@ Every backend gives its sandbox a workspace (at `SandboxSpec.workspace` inside, 
 - `lexical_relative()`, for a workspace the host cannot open itself (a fork's overlay, a NeMo Gym provider's): it
   only follows `..`; symlinks are left to whatever does the I/O inside.
 
-`remove_tree()` removes a sandbox's host dirs, read-only ones its processes left behind included.
+`overlay_changes()` lists what a fork changed; `remove_tree()` removes a sandbox's host dirs, read-only ones too.
 """
 
 from __future__ import annotations
@@ -173,6 +173,55 @@ def too_large_message(size: int, limit: int) -> str:
         f"{size} bytes, more than the {limit} bytes a file read takes (limits.max_read_mb); read parts of it with "
         "a command (head, tail, sed -n, split)"
     )
+
+
+_OPAQUE_XATTR = "user.overlay.opaque"  # with `userxattr`, as forks mount their overlays
+
+
+def overlay_changes(upper: Path, limit: int) -> list[str] | None:
+    """The paths (relative to the workspace, sorted) an overlay's upper dir `upper` holds: every file, symlink and
+    whiteout (a deletion) in it, and each directory that replaced the lower one whole (opaque), not its contents;
+    None when there are more than `limit` entries. What a fork changed since its snapshot is exactly these. Each
+    directory is opened by its fd, never following a symlink: the sandbox may swap one in meanwhile."""
+    changed: list[str] = []
+    seen = 0
+    stack = [("", os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))]
+    try:
+        while stack:
+            rel, fd = stack.pop()
+            try:
+                for entry in os.scandir(fd):
+                    seen += 1
+                    if seen > limit:
+                        return None
+                    path = f"{rel}{entry.name}"
+                    if not entry.is_dir(follow_symlinks=False):
+                        changed.append(path)
+                        continue
+                    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+                    try:
+                        child = os.open(entry.name, flags, dir_fd=fd)
+                    except OSError:  # swapped for something else since the look: count it changed
+                        changed.append(path)
+                        continue
+                    if _opaque(child):
+                        changed.append(path)
+                        os.close(child)
+                    else:
+                        stack.append((f"{path}/", child))
+            finally:
+                os.close(fd)
+    finally:
+        for _, fd in stack:
+            os.close(fd)
+    return sorted(changed)
+
+
+def _opaque(dir_fd: int) -> bool:
+    try:
+        return os.getxattr(dir_fd, _OPAQUE_XATTR) == b"y"
+    except OSError:
+        return False
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:

@@ -87,6 +87,28 @@ async def test_forks_share_one_snapshot_and_store_only_their_changes(parent: Bwr
         await close_all(forks)
 
 
+async def test_a_fork_lists_exactly_the_paths_it_changed(parent: BwrapSandbox) -> None:
+    """What taking a fork's patch relies on: every changed path, deletions and a directory replaced whole included,
+    nothing it only read, nothing of its siblings'; a sandbox that is no fork has nothing to compare against."""
+    await parent.run("mkdir -p docs/api && echo a > docs/api/a.md && echo b > docs/b.md && echo k > keep.txt", 5)
+    forks = await parent.fork(2)
+    try:
+        await forks[0].run(
+            "cat keep.txt src/pkg/mod.py; ls -R docs >/dev/null; echo v2 >> src/pkg/mod.py; rm gone.txt;"
+            " mv src/pkg src/moved; chmod +x keep.txt; rm -rf docs && mkdir docs && echo c > docs/c.md;"
+            " ln -sfn /etc link2; mkdir -p new/deep && echo n > new/deep/n.txt; mkdir empty",
+            5,
+        )
+        assert await forks[0].changed_paths() == [
+            "docs", "gone.txt", "keep.txt", "link2", "new/deep/n.txt", "src/moved/mod.py", "src/pkg",
+        ]  # fmt: skip
+        assert await forks[1].changed_paths() == []
+        assert await forks[0].changed_paths(limit=3) is None  # past the limit: the caller walks the tree itself
+        assert await parent.changed_paths() is None
+    finally:
+        await close_all(forks)
+
+
 async def test_closing_the_parent_keeps_forks_and_the_last_fork_removes_the_snapshot(
     parent: BwrapSandbox, private_tmp: Path
 ) -> None:

@@ -24,6 +24,7 @@ from nemo_gym_prorl.envs.swe.rows import RowFormat, SweRow, SweRowError, parse_r
 from nemo_gym_prorl.envs.swe.stage import WORKDIR, extract_patch, image_tree, stage_repository
 from nemo_gym_prorl.sandbox import Sandbox, SandboxSpec, open_sandbox
 
+_FORK_OF_STAGING = "fork_of_staging"  # in an episode's session: its sandbox forked from a fresh staging
 DEFAULT_TEST_COMMAND = "python3 -m pytest -rA -p no:cacheprovider {test_files}"
 
 
@@ -95,13 +96,23 @@ class SweEnvironment(Environment):
         sandbox, base = await self._staged_sandbox(row, spec_hook)
         return Episode(instance=instance, sandbox=sandbox, session={"base_commit": base})
 
+    async def fork(self, episode: Episode, into: list[Environment]) -> list[Episode]:
+        """`Environment.fork` of an episode as its init left it (group forking forks nothing else): what each fork
+        changes from then on is what it changed since the staging, which its overlay lists (`collect`)."""
+        forks = await super().fork(episode, into)
+        for fork in forks:  # a fork's fork starts from its parent's changes, which its overlay does not list
+            fork.session[_FORK_OF_STAGING] = _FORK_OF_STAGING not in episode.session
+        return forks
+
     async def collect(self, episode: Episode) -> Submission:
         if episode.sandbox is None:  # graded without a live sandbox (a Gym verify after its session closed)
             return {"patch": "", "patch_notes": ["no live sandbox to take a patch from"]}
         settings = self.settings
+        changed_paths = getattr(episode.sandbox, "changed_paths", None)
+        changed = await changed_paths() if changed_paths and episode.session.get(_FORK_OF_STAGING) else None
         extracted = await extract_patch(
             episode.sandbox, settings.workdir, episode.session["base_commit"], settings.max_patch_bytes,
-            settings.apply_timeout_s,
+            settings.apply_timeout_s, self.task.limits.max_output_bytes, changed,
         )
         return {"patch": extracted.patch, "patch_notes": extracted.notes}
 

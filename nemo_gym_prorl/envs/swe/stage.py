@@ -10,13 +10,14 @@ of a fresh repository with a fixed author and date: no remotes, no history to ``
 same commit id on every staging of the same tree.
 
 Extraction runs in the run's live sandbox: ``git add -A`` and ``git diff --cached`` against the base commit (new
-files included). Binary diffs (``git apply`` needs ``--binary``; SWE-bench patches are text) and a patch over the
-size cap (a truncated patch does not apply) are dropped, with a note.
+files included); a fork adds only the paths its overlay changed, to a fresh index of the base. Binary diffs (``git
+apply`` needs ``--binary``) and a patch over the size cap (a truncated one does not apply) are dropped, with a note.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import os
 import re
@@ -34,6 +35,7 @@ BASE_DATE = "2000-01-01T00:00:00+00:00"
 _STAGE_TAR = ".prorl-stage.tar"
 _BASE_PATCH = ".prorl-base.patch"
 _PATCH_OUT = ".prorl-patch.diff"
+_INLINE, _IN_FILE = "prorl-patch-inline", "prorl-patch-in-file"  # how the extraction says where its patch is
 _GIT_IDENTITY = ["-c", "user.name=prorl", "-c", "user.email=prorl@localhost", "-c", "init.defaultBranch=main"]
 _TOOL_STATE = STATE_DIR.split("/", 1)[0]  # the python tool's interpreter lives in the workspace: never in a patch
 _IGNORED = f"__pycache__/\\n*.pyc\\n.pytest_cache/\\n/{_TOOL_STATE}/\\n/.local/\\n"
@@ -69,12 +71,25 @@ git rev-parse HEAD
 """
 
 _EXTRACT = f"""cd "$1" 2>/dev/null || {{ echo "the workspace is gone"; exit 3; }}
-shift
-git rev-parse --verify -q "$1^{{commit}}" >/dev/null || {{ echo "the repository no longer holds the base commit \
-$1 (.git removed or rewritten)"; exit 4; }}
-git add -A . ":(exclude){_PATCH_OUT}" || exit 5
-git diff --cached --no-color --no-ext-diff --no-textconv "$1" -- . ":(exclude){_PATCH_OUT}" ":(exclude){_TOOL_STATE}" \
-  > {_PATCH_OUT} || exit 5
+base=$2 inline=$3
+shift 3
+git rev-parse --verify -q "$base^{{commit}}" >/dev/null || {{ echo "the repository no longer holds the base commit \
+$base (.git removed or rewritten)"; exit 4; }}
+if [ $# -gt 0 ]; then  # the paths a fork changed: a fresh index of the base with those added, ignored ones left out
+  tmp=$(mktemp -d) && export GIT_INDEX_FILE=$tmp/index LC_ALL=C
+  printf './%s\\0' "$@" | sort -zu > "$tmp/changed"  # ./: a name that starts with ':' is no pathspec magic
+  git check-ignore -z --stdin < "$tmp/changed" | sort -zu > "$tmp/ignored"
+  comm -z -23 "$tmp/changed" "$tmp/ignored" > "$tmp/added"
+  git read-tree "$base" 2>/dev/null && {{ [ ! -s "$tmp/added" ] || GIT_LITERAL_PATHSPECS=1 git add -A \\
+    --pathspec-from-file="$tmp/added" --pathspec-file-nul >/dev/null 2>&1; }} || unset GIT_INDEX_FILE  # amiss: as below
+fi
+if [ -z "${{GIT_INDEX_FILE:-}}" ]; then
+  err=$(git add -A . ":(exclude){_PATCH_OUT}" 2>&1) || {{ echo "$err"; exit 5; }}
+fi
+err=$(git diff --cached --no-color --no-ext-diff --no-textconv "$base" -- . ":(exclude){_PATCH_OUT}" \
+  ":(exclude){_TOOL_STATE}" 2>&1 > {_PATCH_OUT}) || {{ echo "$err"; exit 5; }}
+size=$(stat -c %s {_PATCH_OUT})
+if [ "$size" -le "$inline" ]; then echo {_INLINE}; base64 -w0 {_PATCH_OUT}; else echo "{_IN_FILE} $size"; fi
 """
 
 
@@ -108,15 +123,54 @@ async def stage_repository(
 
 
 async def extract_patch(
-    sandbox: Sandbox, workdir: str, base_commit: str, max_bytes: int, timeout_s: float
+    sandbox: Sandbox, workdir: str, base_commit: str, max_bytes: int, timeout_s: float, max_output_bytes: int,
+    changed: list[str] | None = None,
 ) -> ExtractedPatch:
-    """The agent's change against the base commit, as a text diff (see the module docstring)."""
-    result = await sandbox.exec(["bash", "-c", _EXTRACT, "prorl", workdir, base_commit], timeout=timeout_s)
+    """The agent's change against the base commit, as a text diff (see the module docstring). `changed`: the paths
+    the sandbox changed since its staging, where it knows them (a fork's overlay, `changed_paths`): git then looks
+    at those alone, on a fresh index of the base, instead of walking the whole tree (a fork's first walk re-reads
+    every file: its stat data differs from the index's), and nothing changed is no patch, with no command run. A
+    patch whose base64 fits in a command's output (`max_output_bytes`) comes back on that output: reading it back
+    costs a fork another process start in its namespaces (~50 ms), as much as the extraction itself."""
+    paths = _paths_to_diff(changed)
+    if paths == []:
+        return ExtractedPatch(patch="")
+    inline = max(0, (max_output_bytes - len(_INLINE) - 2) * 3 // 4)
+    argv = ["bash", "-c", _EXTRACT, "prorl", workdir, base_commit, str(inline), *(paths or [])]
+    result = await sandbox.exec(argv, timeout=timeout_s)
     if result.exit_code != 0:
         why = "timed out" if result.timed_out else result.output.strip()[-1000:] or f"exit {result.exit_code}"
         return ExtractedPatch(patch="", notes=[f"no patch could be extracted: {why}"])
-    raw = await sandbox.read_file(_PATCH_OUT)
+    marker, _, encoded = result.output.partition("\n")
+    if marker == _INLINE and not result.truncated:
+        raw = base64.b64decode(encoded)
+    else:
+        raw = await sandbox.read_file(_PATCH_OUT)
     return clean_patch(raw.decode(errors="replace"), max_bytes)
+
+
+_GIT_STATE = (".git/index", ".git/HEAD", ".git/ORIG_HEAD", ".git/COMMIT_EDITMSG")
+_GIT_STATE_DIRS = (".git/objects/", ".git/refs/", ".git/logs/")  # what git's own commands write: no patch changes
+_GIT_RULES = (".gitignore", ".gitattributes")
+_MAX_PATHS_BYTES = 32_000  # the exec request travels as one argument (at most 128 KiB), hex-encoded
+
+
+def _paths_to_diff(changed: list[str] | None) -> list[str] | None:
+    """The paths of `changed` that can make a patch ([]: none), leaving out git's own state, the python tool's and
+    an earlier extraction's output; None (walk the whole tree) for unknown changes, too many to pass, or a change to
+    what git ignores or how it diffs (a .gitignore or .gitattributes, .git's config or info, the user's git config
+    in HOME, the workspace): it may concern files no fork touched."""
+    if changed is None:
+        return None
+    paths = []
+    for path in changed:
+        if path in (_PATCH_OUT, _TOOL_STATE, *_GIT_STATE) or path.startswith((f"{_TOOL_STATE}/", *_GIT_STATE_DIRS)):
+            continue
+        top, name = path.split("/", 1)[0], path.rsplit("/", 1)[-1]
+        if top in (".git", ".gitconfig", ".config") or name in _GIT_RULES:
+            return None
+        paths.append(path)
+    return paths if sum(len(p.encode()) + 1 for p in paths) <= _MAX_PATHS_BYTES else None
 
 
 _FILE_HEADER = re.compile(r"^diff --git ", re.M)

@@ -250,6 +250,47 @@ async def test_a_group_shares_one_staging_in_independent_forks(env: SweEnvironme
     assert "only_here.txt" in patches[0]["patch"] and not any(p["patch"] for p in patches[1:])
 
 
+EVERY_KIND_OF_CHANGE = (
+    "printf 'one\\r\\ntwo\\r\\n' > crlf.txt; echo '# changed' >> setup.py; rm MANIFEST.in; mv LICENSE LICENSE.txt;"
+    " printf 'a\\000b' > blob.bin; chmod +x setup.cfg; rm -rf docs && mkdir docs && echo new > docs/new.rst;"
+    " rm PKG-INFO && mkdir PKG-INFO && echo in > PKG-INFO/inner; ln -s inflection/__init__.py alias.py;"
+    " echo odd > ':(exclude)we ird[1]*.py'; touch top.pyc; mkdir -p inflection/__pycache__ && touch inflection/__pycache__/x.pyc;"
+    " mkdir -p pkg && python3 -c \"print('x = 1' * 20000)\" > pkg/big.py"
+)
+
+
+async def test_a_forks_patch_is_a_fresh_sandboxs_on_every_kind_of_change(env: SweEnvironment, instances) -> None:
+    """A fork takes its patch from the paths its overlay says it changed (on a fresh index: the agent's is left as
+    it was), back on the extraction's output when it fits: the same patch as a fresh sandbox's, which walks the
+    whole tree, for added (CRLF kept), changed, deleted, renamed, binary (dropped, with a note), mode-changed,
+    replaced, oddly named, ignored and large (read back as a file) changes, and after a .gitignore change (the
+    whole tree then); nothing for a fork that only looked."""
+    instance = sample(instances)[0]
+    changes = [EVERY_KIND_OF_CHANGE, "echo '*.cfg' > .gitignore; echo '# more' >> setup.py"]
+    fresh = [await env.init(instance) for _ in changes]
+    forks = await env.fork(await env.init(instance), [env] * (len(changes) + 1))
+    try:
+        for episode, change in [*zip(fresh, changes), *zip(forks, changes)]:
+            await env.call_tool(episode, bash(change))
+        await env.call_tool(forks[-1], bash("git status --short; git diff; ls"))
+        await env.call_tool(forks[-1], ToolCall(name="python", arguments={"code": "print(1)"}))
+        taken = [await env.collect(e) for e in (*fresh, *forks)]
+        staged = (await env.call_tool(forks[0], bash("git diff --cached --name-only | wc -l"))).text.split()
+    finally:
+        await asyncio.gather(*(env.close(e) for e in (*fresh, *forks)))
+    patch = taken[0]["patch"]
+    for part in ("+one\r\n+two\r\n", "+# changed", "deleted file mode", "rename from LICENSE\nrename to LICENSE.txt",
+                 "old mode 100644\nnew mode 100755", "b/docs/new.rst", "a/docs/conf.py", "b/PKG-INFO/inner",
+                 "b/alias.py", "we ird[1]*.py", "pkg/big.py"):  # fmt: skip
+        assert part in patch, part
+    assert ".pyc" not in patch and len(patch) > 100_000
+    assert taken[0]["patch_notes"] == ["binary diff dropped: a/blob.bin b/blob.bin"]
+    assert ".gitignore" in taken[1]["patch"] and "+# more" in taken[1]["patch"]
+    assert taken[2:4] == taken[0:2]
+    assert taken[4] == {"patch": "", "patch_notes": []}
+    assert staged == ["0"]  # the fork's own index untouched: its patch came from its changed paths alone
+
+
 @pytest.mark.slow
 async def test_gym_env_test_passes_for_prorl_swe(rootfs: Path, tmp_path: Path) -> None:
     ensure_venv_links()
