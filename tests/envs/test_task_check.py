@@ -67,7 +67,8 @@ def test_every_row_of_every_shipped_task_holds_what_its_task_reads() -> None:
 # Shipped tasks whose graders run sandboxes are checked on their first rows: all 164 HumanEval solutions are
 # graded in test_code_env, the SWE suite's gold patches in tests/envs/swe.
 # A harness task of the suite grades as swe/offline does: one row checks its file wires the same grader.
-LIMITS = {"code/humaneval": 24, "swe/offline": 4, "swe/offline_mini_swe_agent_harness": 1}
+LIMITS = {"code/humaneval": 24, "swe/offline": 4, "swe/offline_mini_swe_agent_harness": 1,
+          "swe/offline_codex_harness": 1}
 # Gym's code_gen rows carry no reference program (test_code_gym_agreement grades Gym's own rollouts of them).
 WITHOUT_GOLD = {"code/gym_code_gen_example"}
 
