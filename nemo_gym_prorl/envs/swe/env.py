@@ -12,6 +12,9 @@ Settings (the task's ``verifier`` mapping) are ``SweSettings`` below.
 from __future__ import annotations
 
 import asyncio
+import statistics
+import time
+from collections import deque
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -24,6 +27,7 @@ from nemo_gym_prorl.envs.swe.rows import RowFormat, SweRow, SweRowError, parse_r
 from nemo_gym_prorl.envs.swe.stage import WORKDIR, extract_patch, image_tree, stage_repository
 from nemo_gym_prorl.sandbox import Sandbox, SandboxSpec, open_sandbox
 
+_MEASURED = 32  # stagings and forks the group forking decision looks back on
 _FORK_OF_STAGING = "fork_of_staging"  # in an episode's session: its sandbox forked from a fresh staging
 DEFAULT_TEST_COMMAND = "python3 -m pytest -rA -p no:cacheprovider {test_files}"
 
@@ -46,8 +50,10 @@ class SweSettings(BaseModel):
     def _workdir_mountable(cls, path: str) -> str:
         return SandboxSpec(workspace=path).workspace
 
-    fork_groups: bool = Field(True, description="a GRPO group's samples share one staging, each in a copy-on-write "
-                              "fork of it (backends that can fork), unless the service's pipeline.fork_groups says")
+    fork_groups: bool | None = Field(None, description="a GRPO group's samples share one staging, each in a "
+                                     "copy-on-write fork of it (backends that can fork); None: while this task's "
+                                     "stagings, as measured, take longer than a fork per sample (the first group "
+                                     "forks); the service's pipeline.fork_groups, when set, decides instead")
 
 
 class SweEnvironment(Environment):
@@ -56,10 +62,20 @@ class SweEnvironment(Environment):
     def __init__(self, task: TaskConfig, sandbox_backend: str = "bwrap") -> None:
         super().__init__(task, sandbox_backend)
         self.base_dir = task.dataset.path.parent
+        self.staging_s: deque[float] = deque(maxlen=_MEASURED)
+        """Wall seconds of the recent stagings of episodes (sandbox start included)."""
+        self.fork_s: deque[float] = deque(maxlen=_MEASURED)
+        """Wall seconds per sample of the recent forks of a staged episode (`fork(n)`'s time over n)."""
 
     @property
     def shares_group_init(self) -> bool:
-        return self.settings.fork_groups
+        """`verifier.fork_groups` when set; else whether a staging, as measured, takes longer than a fork per sample
+        (both p50 of the recent ones; no fork measured yet: yes, which measures one)."""
+        if self.settings.fork_groups is not None:
+            return self.settings.fork_groups
+        if not self.fork_s or not self.staging_s:
+            return True
+        return statistics.median(self.staging_s) > statistics.median(self.fork_s)
 
     @property
     def workspace(self) -> str:
@@ -93,13 +109,17 @@ class SweEnvironment(Environment):
 
     async def init(self, instance: TaskInstance, spec_hook: SpecHook | None = None) -> Episode:
         row = self.row(instance)
+        started = time.perf_counter()
         sandbox, base = await self._staged_sandbox(row, spec_hook)
+        self.staging_s.append(time.perf_counter() - started)
         return Episode(instance=instance, sandbox=sandbox, session={"base_commit": base})
 
     async def fork(self, episode: Episode, into: list[Environment]) -> list[Episode]:
         """`Environment.fork` of an episode as its init left it (group forking forks nothing else): what each fork
         changes from then on is what it changed since the staging, which its overlay lists (`collect`)."""
+        started = time.perf_counter()
         forks = await super().fork(episode, into)
+        self.fork_s.append((time.perf_counter() - started) / len(forks))
         for fork in forks:  # a fork's fork starts from its parent's changes, which its overlay does not list
             fork.session[_FORK_OF_STAGING] = _FORK_OF_STAGING not in episode.session
         return forks

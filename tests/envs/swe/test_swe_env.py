@@ -234,11 +234,19 @@ async def test_scripted_gold_agent_gets_reward_1_through_the_service(gold_agent,
         assert verified["reward"] == 1.0
 
 
-async def test_a_group_shares_one_staging_in_independent_forks(env: SweEnvironment, instances) -> None:
-    """As the service's group forking does (`pipeline.fork_groups`, which SWE tasks ask for): one init, four forks."""
+async def test_a_group_shares_one_staging_in_independent_forks(instances) -> None:
+    """As the service's group forking does (`pipeline.fork_groups`, which SWE tasks ask for while their stagings
+    take longer than a fork per sample, as measured): one init, four forks."""
+    env = make_environment(load_task(TASK), "bwrap")  # its own: what it measured is this test's alone
     instance = sample(instances)[3]
-    assert env.shares_group_init
+    assert env.shares_group_init  # nothing measured yet: it forks, and learns what a fork costs
     episodes = await env.fork(await env.init(instance), [env] * 4)
+    assert len(env.staging_s) == 1 and len(env.fork_s) == 1 and env.staging_s[0] > env.fork_s[0] > 0
+    assert env.shares_group_init
+    env.fork_s.extend([env.staging_s[0] * 2] * 2)  # were forks to cost more than a staging, groups would not fork
+    assert not env.shares_group_init
+    env.settings.fork_groups = True  # unless the task says
+    assert env.shares_group_init
     try:
         assert len({e.session["base_commit"] for e in episodes}) == 1
         await env.call_tool(episodes[0], bash("echo mine > only_here.txt"))
