@@ -43,8 +43,20 @@ class Tokenizer:
         return self._model.token_get_text(token_id) if token_id >= 0 else ""
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of `text`; special tokens written in it (``<|im_start|>``) become their ids."""
-        return self._model.tokenize(text.encode(), add_bos, True) if text else []
+        """Token ids of `text`; special tokens written in it (``<|im_start|>``) become their ids.
+
+        One llama.cpp call, its buffer sized by the text (every token spans a byte at least; BOS and EOS besides):
+        llama-cpp-python's own `tokenize` sizes it by the training context, which a vocab-only model reads as 0,
+        so it tokenized every text twice."""
+        if not text:
+            return []
+        data = text.encode()
+        room = len(data) + 2
+        ids = (llama_cpp.llama_token * room)()
+        n = llama_cpp.llama_tokenize(self._model.vocab, data, len(data), ids, room, add_bos, True)
+        if n < 0:
+            raise RuntimeError(f"llama.cpp could not tokenize a {len(data)}-byte text (it asked for {-n} tokens)")
+        return ids[:n]
 
     def decode(self, token_ids: list[int], special: bool = False) -> str:
         """Text of token ids; special tokens are left out (as vLLM's skip_special_tokens) unless `special`."""
