@@ -111,7 +111,8 @@ class ModelCalls:
         self.token_budget: int | None = None
         self.max_calls: int | None = None
         self._deadline: float | None = None  # the event loop's time at the deadline
-        self._conversations: list[list[tuple[Any, ...]]] = []  # each call's messages and reply, as compared
+        self._had: dict[tuple[tuple[Any, ...], ...], list[int]] = {}  # a conversation (messages + reply, as
+        # compared) -> the calls that had it
 
     def set_limits(self, deadline_s: float | None, token_budget: int | None, max_calls: int | None = None) -> None:
         """From now on: no call answered after `deadline_s` seconds, none once `token_budget` tokens were
@@ -147,18 +148,20 @@ class ModelCalls:
             continues=previous.index if previous else None, tool_call_error=error,
         )  # fmt: skip
         self.calls.append(call)
-        self._conversations.append([_canonical(m) for m in [*call.messages, call.reply]])
+        self._had.setdefault(tuple(_canonical(m) for m in [*call.messages, call.reply]), []).append(call.index)
         return call
 
     def _continued(self, request: CallRequest) -> ModelCall | None:
         """The latest call whose conversation and reply `request` repeats unchanged and then only adds to (tool
         results, user turns: no assistant turn of its own), with the same tools; None when none is."""
         asked = [_canonical(m) for m in request.messages]
-        for call, seen in zip(reversed(self.calls), reversed(self._conversations), strict=True):
-            added = asked[len(seen) :]
-            fresh = bool(added) and all(role != "assistant" for role, *_ in added)
-            if fresh and call.tools == request.tools and asked[: len(seen)] == seen:
-                return call
+        replies = [i for i, (role, *_) in enumerate(asked) if role == "assistant"]
+        if not replies or replies[-1] == len(asked) - 1:  # it repeats no reply, or adds nothing after the last one
+            return None
+        # a call's conversation ends with its reply: the request can only continue one that ends at its last reply
+        for index in reversed(self._had.get(tuple(asked[: replies[-1] + 1]), ())):
+            if self.calls[index].tools == request.tools:
+                return self.calls[index]
         return None
 
     def _budget_left(self, request: CallRequest) -> int | None:

@@ -18,7 +18,7 @@ from nemo_gym_prorl.agent.llm_pool import LLMPool, LLMPoolConfig
 from nemo_gym_prorl.agent.turns import PostJSON, http_poster
 from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, contiguity_violation
-from nemo_gym_prorl.harness.calls import ModelCalls
+from nemo_gym_prorl.harness.calls import CallRequest, ModelCall, ModelCalls
 from nemo_gym_prorl.harness.proxy import ModelProxy, ProxyConfig, ProxyError
 from nemo_gym_prorl.harness.segments import segments
 from nemo_gym_prorl.json_http import JsonHttp
@@ -262,3 +262,24 @@ async def test_a_forwarder_that_cannot_start_is_an_error_naming_why(standin_call
                 await proxy.connect(sandbox, lifetime_s=SPEC.limits.wall_clock_s)
         with pytest.raises(ValueError, match="sandbox spec: network must be false"):
             proxy.sandbox_spec(SPEC.model_copy(update={"network": True}))
+
+
+async def test_a_call_continues_the_latest_call_it_extends_with_the_same_tools_whatever_came_between(
+    standin_calls: ModelCalls,
+) -> None:
+    async def complete(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> ModelCall:
+        return await standin_calls.complete(CallRequest(api="chat.completions", messages=messages, tools=tools))
+
+    main = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "List the files."}]
+    first = await complete(main, TOOLS)
+    await complete([{"role": "user", "content": "Summarise a.txt."}], None)  # a sub-agent's conversation between
+    retried = await complete(main, TOOLS)  # the same request again: the same reply, a later call
+    (tool_call,) = first.reply["tool_calls"]
+    resumed = [*main, retried.reply, {"role": "tool", "tool_call_id": tool_call["id"], "content": "a.txt"}]
+    assert (await complete(resumed, TOOLS)).continues == retried.index
+    assert (await complete(resumed, None)).continues is None  # no call with that conversation had no tools
+    extended = standin_calls.calls[-2]
+    more = [*resumed, extended.reply, {"role": "user", "content": "Go on."}]
+    assert (await complete(more, TOOLS)).continues == extended.index
+    assert (await complete([*resumed, extended.reply], TOOLS)).continues is None  # nothing added after the reply
+    assert [c.continues for c in standin_calls.calls] == [None, None, None, 2, None, 3, None]
