@@ -6,9 +6,10 @@ sandbox, timing each call itself, against the same fast stand-in backend behind 
 - proxy: the sandbox without network, ``POST /v1/chat/completions`` through the forwarder, the proxy's socket, the
   proxy (template render, tokenize, record) and the pool to the backend's ``/v1/completions``;
 - direct: a sandbox with the host's network posting the body the proxy sent to the backend's ``/v1/completions``.
-Each call is a fresh two-message conversation (rendered anew each time). Rounds alternate the sides (shuffled, the
-same order from run to run); the first is warm-up. Prints p50/p99 per side, the p50 ratio and what the proxy adds,
-and last the goal line: at most 2 ms p50 added.
+Each call is a fresh two-message conversation (rendered anew each time). A third side, ``GET /v1/models`` through the
+sandbox's port, is the proxy's HTTP hop with no model call: the floor under what the proxy adds. Rounds alternate
+the sides (shuffled, the same order from run to run); the first is warm-up. Prints p50/p99 per side, the spread of
+the added p50 over rounds, the p50 ratio and what the proxy adds, and last the goal line: at most 2 ms p50 added.
 """
 
 from __future__ import annotations
@@ -38,17 +39,18 @@ GOAL_MS = 2.0
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "List the files."}]
 SPEC = SandboxSpec(limits=SandboxLimits(memory_mb=512, wall_clock_s=600))
 
-# Times each of N posts of BODY to URL itself, checks every answer, prints the times (ms) and the last reply's text.
+# Times each of N posts of BODY to URL (gets, when BODY is -) itself, prints the times (ms) and the last answer's text.
 CLIENT = """
 import json, sys, time, urllib.request
-url, body, n = sys.argv[1], open(sys.argv[2], "rb").read(), int(sys.argv[3])
+url, body, n = sys.argv[1], None if sys.argv[2] == "-" else open(sys.argv[2], "rb").read(), int(sys.argv[3])
 times, text = [], None
 for _ in range(n):
     started = time.perf_counter()
     request = urllib.request.Request(url, body, {"Content-Type": "application/json", "Authorization": "Bearer x"})
     with urllib.request.urlopen(request, timeout=60) as answer:
-        choice = json.load(answer)["choices"][0]
+        answer = json.load(answer)
     times.append((time.perf_counter() - started) * 1000)
+    choice = answer["choices"][0] if "choices" in answer else {"text": answer["data"][0]["id"]}
     text = choice["message"]["content"] if "message" in choice else choice["text"]
 print(json.dumps({"ms": times, "text": text}))
 """
@@ -59,21 +61,28 @@ class Side:
     name: str
     sandbox: Sandbox
     url: str
-    body: dict[str, Any]
-    samples: list[float] = field(default_factory=list)
+    body: dict[str, Any] | None  # None: GET
+    expected: str = REPLY
+    rounds: list[list[float]] = field(default_factory=list)
+
+    @property
+    def samples(self) -> list[float]:
+        return [ms for round_ in self.rounds for ms in round_]
 
     async def prepare(self) -> None:
         await self.sandbox.write_file("client.py", CLIENT.encode())
-        await self.sandbox.write_file("body.json", json.dumps(self.body).encode())
+        if self.body is not None:
+            await self.sandbox.write_file(f"{self.name}.json", json.dumps(self.body).encode())
 
     async def measure(self, calls: int) -> None:
-        result = await self.sandbox.exec(["python3", "client.py", self.url, "body.json", str(calls)], timeout=300)
+        body = "-" if self.body is None else f"{self.name}.json"
+        result = await self.sandbox.exec(["python3", "client.py", self.url, body, str(calls)], timeout=300)
         if result.exit_code != 0:
             raise RuntimeError(f"{self.name} client failed (exit {result.exit_code}): {result.output[-1000:]}")
         answer = json.loads(result.output)
-        if answer["text"] != REPLY:
-            raise RuntimeError(f"{self.name} answered {answer['text']!r}, expected {REPLY!r}")
-        self.samples += answer["ms"]
+        if answer["text"] != self.expected:
+            raise RuntimeError(f"{self.name} answered {answer['text']!r}, expected {self.expected!r}")
+        self.rounds.append(answer["ms"])
 
 
 class Recorded:
@@ -92,7 +101,7 @@ def p50_p99(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), statistics.quantiles(samples, n=100, method="inclusive")[-1]
 
 
-async def measure(rounds: int, calls: int) -> tuple[Side, Side, int]:
+async def measure(rounds: int, calls: int) -> tuple[Side, Side, Side, int]:
     tokenizer = Tokenizer.from_gguf(default_gguf())
     async with contextlib.AsyncExitStack() as stack:
         backend = await stack.enter_async_context(ModelServerProcess(standin_argv([REPLY])))
@@ -104,21 +113,22 @@ async def measure(rounds: int, calls: int) -> tuple[Side, Side, int]:
         await proxy.connect(inside, lifetime_s=SPEC.limits.wall_clock_s)
         body = {"model": "standin", "messages": MESSAGES, "temperature": 0.2}
         proxied = Side("proxy", inside, f"{proxy.base_url}/chat/completions", body)
+        hop = Side("port", inside, f"{proxy.base_url}/models", None, expected="standin")
         await proxied.prepare()
+        await hop.prepare()
         await proxied.measure(1)  # the body the proxy sends, for the direct side
         assert poster.last is not None
         path, backend_body = poster.last
         outside = await stack.enter_async_context(open_sandbox("bwrap", SPEC.model_copy(update={"network": True})))
         direct = Side("direct", outside, backend.base_url.rstrip("/") + path, backend_body)
         await direct.prepare()
-        order = random.Random(0)
-        for round_ in range(rounds + 1):  # round 0: warm-up
-            for side in order.sample([proxied, direct], 2):
+        order, sides = random.Random(0), [proxied, direct, hop]
+        for _ in range(rounds + 1):  # round 0: warm-up
+            for side in order.sample(sides, len(sides)):
                 await side.measure(calls)
-            if round_ == 0:
-                proxied.samples.clear()
-                direct.samples.clear()
-    return proxied, direct, len(model_calls.calls)
+        for side in sides:
+            del side.rounds[: len(side.rounds) - rounds]
+    return proxied, direct, hop, len(model_calls.calls)
 
 
 def main(argv: list[str]) -> None:
@@ -126,14 +136,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=10, help="rounds, each side once a round (after one warm-up)")
     parser.add_argument("--calls", type=int, default=50, help="model calls per side and round")
     args = parser.parse_args(argv)
-    proxied, direct, recorded = asyncio.run(measure(args.rounds, args.calls))
+    proxied, direct, hop, recorded = asyncio.run(measure(args.rounds, args.calls))
     expected = 1 + (args.rounds + 1) * args.calls
     if recorded != expected:
         raise RuntimeError(f"the proxy recorded {recorded} calls, expected {expected}")
     print(f"harness proxy: {args.rounds} rounds x {args.calls} calls a side, stand-in backend, {recorded} calls recorded")
-    for side in (direct, proxied):
+    for side in (direct, proxied, hop):
         p50, p99 = p50_p99(side.samples)
         print(f"  {side.name:<7} p50 {p50:6.2f} ms  p99 {p99:6.2f} ms  ({len(side.samples)} calls)")
+    print("  (port: GET /v1/models through the sandbox's port, the proxy's HTTP hop with no model call)")
+    per_round = sorted(statistics.median(p) - statistics.median(d) for p, d in zip(proxied.rounds, direct.rounds))
+    print(f"added p50 per round: {per_round[0]:+.2f} .. {per_round[-1]:+.2f} ms (median {statistics.median(per_round):+.2f})")
     (proxy_p50, proxy_p99), (direct_p50, direct_p99) = p50_p99(proxied.samples), p50_p99(direct.samples)
     added = proxy_p50 - direct_p50
     print(f"proxy vs direct (p50): {proxy_p50 / direct_p50:.2f}x; added per call: p50 {added:+.2f} ms, p99 {proxy_p99 - direct_p99:+.2f} ms")
