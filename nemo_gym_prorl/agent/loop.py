@@ -11,9 +11,10 @@ such a reply (``Environment.plain_reply_ends_episode``, as NeMo Gym's agents do)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from nemo_gym_prorl.agent.turns import ContextLengthExceeded, Turn, TurnGenerator
+from nemo_gym_prorl.contracts.task import TaskInstance
 from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, Trajectory
 from nemo_gym_prorl.envs.base import Environment, Episode
 from nemo_gym_prorl.telemetry import tracing
@@ -51,10 +52,20 @@ def _assistant_message(turn: Turn, parsed: ParsedReply, previous: Turn | None) -
 
 
 class AgentLoop:
+    # The episode is the environment's alone: a GRPO group's samples may share one init, forked into each.
+    can_share_init: ClassVar[bool] = True
+
     def __init__(self, generator: TurnGenerator, tool_format: ToolCallFormat, max_turns: int) -> None:
         self.generator = generator
         self.tool_format = tool_format
         self.max_turns = max_turns
+
+    async def init(self, env: Environment, instance: TaskInstance) -> Episode:
+        """The pipeline's init stage: the environment's, as the task stages it (a harness adds its proxy)."""
+        return await env.init(instance)
+
+    async def close(self) -> None:
+        """What the loop holds beyond the episode, released with its sandbox: nothing."""
 
     def start(self, env: Environment, episode: Episode, trajectory: Trajectory) -> None:
         """Set `trajectory` up with the first prompt; `run` fills it in as it goes, so what happened survives a

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nemo_gym_prorl.agent.loop import AgentLoop
 from nemo_gym_prorl.contracts.task import DatasetConfig, TaskConfig, TaskInstance
 from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.envs.base import Episode, Evaluation, Submission
@@ -78,10 +79,11 @@ class SyntheticEnvironment:
         self.live_sandboxes -= 1
 
 
-class SyntheticAgent:
+class SyntheticAgent(AgentLoop):
     """Model turns: each waits for one of the GPU's request slots, then for the simulated generation time."""
 
     def __init__(self, gpu: asyncio.Semaphore, latency_s: float, turns: int) -> None:
+        super().__init__(None, None, turns)  # type: ignore[arg-type]  # no model, no tool calls: simulated turns
         self.gpu, self.latency_s, self.turns = gpu, latency_s, turns
 
     def start(self, env: object, episode: Episode, trajectory: Trajectory) -> None:

@@ -16,6 +16,15 @@ Finish = Literal["answer", "finish", "max_turns", "context_length", "error"]
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
+class RolloutFailed(Exception):
+    """A stage's failure that knows its `critical_error` (a harness that hung is ``timeout``, one that crashed
+    ``run``): the pipeline ends the rollout with it and the message alone, no exception type in front."""
+
+    def __init__(self, critical_error: CriticalError, message: str) -> None:
+        super().__init__(message)
+        self.critical_error: CriticalError = critical_error
+
+
 class TimedSpan(BaseModel):
     """One timed piece of a rollout: a stage (``init``, ``run``, ``eval``), a model request (``model``) or a tool
     call (``tool``). The same spans go out as OpenTelemetry spans when tracing is on (telemetry/tracing.py)."""

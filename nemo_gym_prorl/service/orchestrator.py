@@ -26,6 +26,8 @@ from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance, ToolCallFormatName
 from nemo_gym_prorl.contracts.trajectory import Trajectory
 from nemo_gym_prorl.envs import Environment, make_environment
+from nemo_gym_prorl.harness.calls import ModelCalls
+from nemo_gym_prorl.harness.runner import HarnessRunner
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.service.pipeline import Rollout, RolloutPipeline, Stage
 from nemo_gym_prorl.service.store import JobState, JobStore, RecoveryPolicy, StoredJob
@@ -83,6 +85,22 @@ def make_agent_loop(
     return AgentLoop(generator, fmt, env.task.max_turns)
 
 
+def make_harness_runner(
+    env: Environment, model: ModelSettings, pool: LLMPool, tokenizer: Tokenizer | None, trajectory_id: str,
+    sampling: SamplingParams,
+) -> HarnessRunner:  # fmt: skip
+    """The rollout's harness (the task's), its model calls through `pool` as `trajectory_id`, token-in/token-out:
+    the proxy renders each call's chat template itself, so it needs the policy's tokenizer. The model's tool calls
+    are read in the task's format, Hermes' (the chat templates' own) when it names none."""
+    harness = env.task.harness
+    assert harness is not None and tokenizer is not None  # Orchestrator.submit refuses such a job before
+    calls = ModelCalls(
+        pool.poster(trajectory_id), model.name, tokenizer, sampling, env.task.tool_call_format or "hermes",
+        model.context_window,
+    )  # fmt: skip
+    return HarnessRunner(harness, calls)
+
+
 class RemoteRollouts(Protocol):
     """Where rollouts run when not in this process (nemo_gym_prorl.cluster): a rollout's environment and agent loop
     as the pipeline sees them, their work done elsewhere."""
@@ -128,6 +146,8 @@ class Orchestrator:
     def submit(self, request: JobRequest) -> str:
         """Accept a job (durably) and start its rollouts; RejectedJob / JobConflict when it cannot be."""
         env = self._env(request.task)
+        if env.task.harness is not None:
+            self._check_harness(env)
         if request.n > self.max_n:
             raise RejectedJob("n", f"at most {self.max_n} samples per job, got {request.n}")
         instance = self._instance(env, request)
@@ -138,6 +158,14 @@ class Orchestrator:
             raise JobConflict(job_id) from None
         self._start(job_id, request, env, instance, range(request.n))
         return job_id
+
+    def _check_harness(self, env: Environment) -> None:
+        if self.remote is not None:
+            raise RejectedJob("task", f"{env.task.name} runs a harness, which runs in the service's own process, "
+                              "not on the Ray cluster this service uses (cluster.ray)")  # fmt: skip
+        if self.tokenizer is None:
+            raise RejectedJob("task", f"{env.task.name} runs a harness: its model proxy renders each call's prompt "
+                              "itself and needs the policy's tokenizer: model.generation_mode=tokens")  # fmt: skip
 
     def _env(self, task: str | None) -> Environment:
         if task is None:
@@ -178,7 +206,7 @@ class Orchestrator:
             else:
                 rollout_env, agent = self.remote.bind(env, job_id, trajectory_id, sampling)
             first_turn_agent = None  # a remote loop generates on its worker; a first turn alone is generated here
-            if request.first_turn_fallback:
+            if request.first_turn_fallback and env.task.harness is None:  # a harness's first prompt is its own
                 first_turn_agent = agent if self.remote is None else self._agent(env, trajectory_id, sampling)
             rollout = Rollout(
                 env=rollout_env,
@@ -196,8 +224,9 @@ class Orchestrator:
         # one group: with pipeline.fork_groups, one init forked into its samples (on Ray, on the init's worker)
         self.pipeline.submit(rollouts, group=True)
 
-    def _agent(self, env: Environment, trajectory_id: str, sampling: SamplingParams) -> AgentLoop:
-        return make_agent_loop(env, self.model, self.pool, self.tokenizer, trajectory_id, sampling)
+    def _agent(self, env: Environment, trajectory_id: str, sampling: SamplingParams) -> AgentLoop | HarnessRunner:
+        make = make_agent_loop if env.task.harness is None else make_harness_runner
+        return make(env, self.model, self.pool, self.tokenizer, trajectory_id, sampling)
 
     def _record(self, job_id: str, sample: int, trajectory: Trajectory) -> None:
         if self._closing:  # stopped by the shutdown, not finished: the job stays in flight for `recover`

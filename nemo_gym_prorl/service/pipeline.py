@@ -24,8 +24,9 @@ from pydantic import BaseModel, Field
 
 from nemo_gym_prorl.agent.loop import AgentLoop
 from nemo_gym_prorl.contracts.task import TaskInstance
-from nemo_gym_prorl.contracts.trajectory import Trajectory
+from nemo_gym_prorl.contracts.trajectory import RolloutFailed, Trajectory
 from nemo_gym_prorl.envs.base import Environment, Episode, Submission
+from nemo_gym_prorl.harness.runner import HarnessRunner
 from nemo_gym_prorl.sandbox.lifecycle import to_the_end
 from nemo_gym_prorl.service.group_fork import ForkGroup
 from nemo_gym_prorl.telemetry.stage_clock import StageClock, current_stage_clock
@@ -60,7 +61,7 @@ class Rollout:
     """One sample travelling through the pipeline."""
 
     env: Environment
-    agent: AgentLoop
+    agent: AgentLoop | HarnessRunner  # our loop, or an unmodified harness behind a model proxy (the task's harness)
     instance: TaskInstance
     trajectory: Trajectory = field(default=None)  # type: ignore[assignment]  # set in __post_init__
     job_deadline_s: float | None = None
@@ -170,7 +171,7 @@ class RolloutPipeline:
         for rollout in rollouts:
             self._live.add(rollout)
             rollout.trace.start()
-        if group and len(rollouts) > 1 and self._forks_groups(rollouts[0].env):
+        if group and len(rollouts) > 1 and self._forks_groups(rollouts[0]):
             size = self.config.max_live_sandboxes
             for i in range(0, len(rollouts), size):
                 self._enqueue("init", _Group(rollouts[i : i + size]))
@@ -178,9 +179,10 @@ class RolloutPipeline:
             for rollout in rollouts:
                 self._enqueue("init", rollout)
 
-    def _forks_groups(self, env: Environment) -> bool:
+    def _forks_groups(self, rollout: Rollout) -> bool:
+        env = rollout.env
         wanted = self.config.fork_groups if self.config.fork_groups is not None else env.shares_group_init
-        return wanted and env.can_fork
+        return wanted and env.can_fork and rollout.agent.can_share_init
 
     async def cancel(self, rollout: Rollout) -> None:
         """End `rollout` as cancelled now: a running stage is interrupted, a held sandbox is closed."""
@@ -310,7 +312,7 @@ class RolloutPipeline:
                     finally:  # its init is the group's: the shared init and the fork, under this stage
                         graft(rollout.group.timed_spans(since=span.start), {"group_size": rollout.group.size})
                 elif stage == "init":
-                    rollout.episode = await rollout.env.init(rollout.instance)
+                    rollout.episode = await rollout.agent.init(rollout.env, rollout.instance)
                 elif stage == "run" and rollout.ended_early is not None:
                     assert rollout.first_turn_agent is not None
                     episode = Episode(instance=rollout.instance, sandbox=None)
@@ -368,6 +370,8 @@ class RolloutPipeline:
             t.messages, t.tools, t.finish, t.num_tool_calls, t.num_format_errors = [], [], None, 0, 0
             rollout.run_completed = False
             self._enqueue("init", rollout)
+        elif isinstance(error, RolloutFailed):
+            await self._end(rollout, stage, error.critical_error, str(error))
         elif error is not None:
             detail = "".join(traceback.format_exception_only(error)).strip()
             await self._end(rollout, stage, stage, detail)
@@ -451,8 +455,7 @@ class RolloutPipeline:
         that survive SIGKILL, a workspace that cannot be removed) fails its rollout, not the worker that runs it."""
         episode, rollout.episode = rollout.episode, None
         try:
-            if episode is not None:
-                await to_the_end(rollout.env.close(episode))
+            await to_the_end(self._release(rollout, episode))
         except Exception as e:
             _log.error("rollout %s: closing its sandbox failed", rollout.trajectory.trajectory_id, exc_info=e)
             return f"closing the sandbox failed: {''.join(traceback.format_exception_only(e)).strip()}"
@@ -461,6 +464,15 @@ class RolloutPipeline:
                 rollout.holds_sandbox_slot = False
                 self._sandbox_slots.release()
         return None
+
+    @staticmethod
+    async def _release(rollout: Rollout, episode: Episode | None) -> None:
+        """The sandbox, and what the agent holds with it (a harness's model proxy), however either close ends."""
+        try:
+            await rollout.agent.close()
+        finally:
+            if episode is not None:
+                await rollout.env.close(episode)
 
 
 async def run_rollouts(

@@ -1,7 +1,8 @@
 """mini-swe-agent, installed from PyPI into a cached layer and run unmodified in a bubblewrap sandbox, solves an
 offline SWE instance against the stand-in model (mini-swe-agent's action format, deterministically) through the
-per-rollout proxy: every call it made is in the trajectory with token ids and log-probs, the patch it left is
-graded by the SWE env, and a harness that crashes or hangs is a critical_error with its reason."""
+per-rollout proxy, in the service's rollout pipeline (init, run, eval as for our loop): every call it made is in
+the trajectory with token ids and log-probs, the patch it left is graded by the SWE env, and a harness that crashes
+or hangs is a critical_error with its reason; its proxy is gone with its sandbox."""
 
 from __future__ import annotations
 
@@ -12,32 +13,29 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from standin_helpers import running_standin
+from standin_helpers import MINI_SWE_AGENT_SCRIPT, running_standin
 
 from nemo_gym_prorl.agent.turns import http_poster
 from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.task import TaskConfig, load_task
-from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, contiguity_violation
+from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
 from nemo_gym_prorl.envs import make_environment
 from nemo_gym_prorl.envs.dataset import load_instances
 from nemo_gym_prorl.envs.swe.env import SweEnvironment
 from nemo_gym_prorl.harness.calls import ModelCalls
+from nemo_gym_prorl.harness.proxy import ModelProxy
 from nemo_gym_prorl.harness.runner import HarnessRunner
 from nemo_gym_prorl.json_http import JsonHttp
 from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.service.pipeline import PipelineConfig, Rollout, run_rollouts
 
 TASK = "swe/offline_mini_swe_agent_harness"
 SAMPLING = SamplingParams(temperature=0.7, max_tokens=256, seed=3)
-# mini-swe-agent's text action format: a new file in the repository, then its submit command.
-SCRIPT = [
-    "THOUGHT: leave a mark.\n\n```mswea_bash_command\necho fixed > harness_was_here.txt\n```",
-    "THOUGHT: done.\n\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
-]
 
 
 @pytest.fixture(scope="module")
 def mini_model() -> Iterator[str]:
-    yield from running_standin(SCRIPT)
+    yield from running_standin(MINI_SWE_AGENT_SCRIPT)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +55,28 @@ async def http() -> AsyncIterator[JsonHttp]:
 
 
 def runner(env: SweEnvironment, base_url: str, http: JsonHttp, tokenizer: Tokenizer) -> HarnessRunner:
-    calls = ModelCalls(http_poster(http, base_url), "standin", tokenizer, SAMPLING)
-    return HarnessRunner(env, calls, "job-1:0")
+    assert env.task.harness is not None
+    return HarnessRunner(env.task.harness, ModelCalls(http_poster(http, base_url), "standin", tokenizer, SAMPLING))
+
+
+async def rollout(env: SweEnvironment, harness: HarnessRunner, **deadlines: float) -> Trajectory:
+    """One rollout of the suite's first instance through a pipeline of its own; no proxy is left once it ends."""
+    sockets: list[Path] = []
+    start = ModelProxy.start
+
+    async def started(proxy: ModelProxy) -> None:
+        await start(proxy)
+        sockets.append(proxy.socket_path)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelProxy, "start", started)
+        (trajectory,) = await run_rollouts(
+            [Rollout(env=env, agent=harness, instance=load_instances(env.task.dataset, limit=1)[0],
+                     stage_deadlines_s=deadlines)],  # fmt: skip
+            PipelineConfig(),
+        )
+    assert len(sockets) == 1 and not sockets[0].parent.parent.exists()
+    return trajectory
 
 
 async def test_mini_swe_agent_finishes_an_offline_swe_rollout_with_every_call_in_the_trajectory(
@@ -66,7 +84,7 @@ async def test_mini_swe_agent_finishes_an_offline_swe_rollout_with_every_call_in
 ) -> None:
     instance = load_instances(env.task.dataset, limit=1)[0]
     run = runner(env, mini_model, http, tokenizer)
-    trajectory = await run.run(instance)
+    trajectory = await rollout(env, run)
     assert trajectory.critical_error is None, trajectory.error
     assert trajectory.finish == "finish"
     assert "harness_was_here.txt" in (trajectory.submission or {}).get("patch", "")
@@ -107,11 +125,23 @@ async def test_a_harness_that_crashes_or_hangs_is_a_masked_critical_error_with_i
     command: list[str], timeout_s: float, critical: str, reason: str,
 ) -> None:  # fmt: skip
     failing = broken(env.task, command, timeout_s)
-    trajectory = await runner(failing, mini_model, http, tokenizer).run(load_instances(env.task.dataset, limit=1)[0])
+    trajectory = await rollout(failing, runner(failing, mini_model, http, tokenizer))
     assert trajectory.critical_error == critical
-    assert reason in (trajectory.error or "") and trajectory.mask_reason() is not None
+    assert (trajectory.error or "").startswith(f"harness mini-swe-agent: {reason}"), trajectory.error
+    assert trajectory.mask_reason() is not None
     assert trajectory.reward == 0.0
     assert not running(command)  # no harness process outlives its rollout
+
+
+async def test_a_harness_the_pipeline_stops_at_its_run_deadline_leaves_no_process_and_no_proxy(
+    env: SweEnvironment, mini_model: str, http: JsonHttp, tokenizer: Tokenizer
+) -> None:
+    command = ["sleep", "601"]
+    hanging = broken(env.task, command, 600.0)  # its own limit far off: the pipeline's cancel stops it
+    trajectory = await rollout(hanging, runner(hanging, mini_model, http, tokenizer), run=2.0)
+    assert trajectory.critical_error == "timeout"
+    assert trajectory.error == "the run stage ran past its deadline of 2 s"
+    assert not running(command)
 
 
 def running(command: list[str]) -> list[int]:
@@ -144,7 +174,5 @@ async def test_the_harness_reaches_its_proxy_and_not_the_hosts_loopback(
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
         probing = broken(env.task, ["python3", "-c", PROBE, str(port)], 60.0)
-        trajectory = await runner(probing, mini_model, http, tokenizer).run(
-            load_instances(env.task.dataset, limit=1)[0]
-        )
+        trajectory = await rollout(probing, runner(probing, mini_model, http, tokenizer))
     assert (trajectory.critical_error, trajectory.error, trajectory.finish) == (None, None, "finish")
