@@ -32,6 +32,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nemo_gym_prorl.contracts.sandbox import BindMount, Sandbox, SandboxSpec
 from nemo_gym_prorl.harness import chat_completions, messages, responses
@@ -58,6 +59,39 @@ class ProxyConfig(BaseModel):
 
 class ProxyError(RuntimeError):
     """The proxy could not be reached from the sandbox (its forwarder did not start)."""
+
+
+class _Coalesced:
+    """A connection whose writes of one event-loop step go out as one send: uvicorn writes a response's head and its
+    body apart, and each send is a pass through the loopback and may wake the harness once more."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class _CoalescedHttp(HttpToolsProtocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        super().connection_made(_Coalesced(transport))  # type: ignore[arg-type]
 
 
 class _InLoopServer(uvicorn.Server):
@@ -144,8 +178,8 @@ class ModelProxy:
             (folder / SOCKET_NAME).chmod(0o666)  # the sandbox's host uid connects: the directory guards it
             sock.listen(128)
             config = uvicorn.Config(
-                self._app(), log_config=None, log_level="warning", access_log=False, lifespan="off",
-                timeout_graceful_shutdown=self.config.shutdown_grace_s,
+                self._app(), http=_CoalescedHttp, log_config=None, log_level="warning", access_log=False,
+                lifespan="off", timeout_graceful_shutdown=self.config.shutdown_grace_s,
             )  # fmt: skip
             self._server = server = _InLoopServer(config)
             self._serving = serving = asyncio.create_task(server.serve(sockets=[sock]))

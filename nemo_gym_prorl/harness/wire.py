@@ -9,7 +9,7 @@ whichever API a harness speaks.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Generic, Protocol, TypeVar
@@ -17,7 +17,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from nemo_gym_prorl.agent.llm_pool import LLMUnavailable
 from nemo_gym_prorl.agent.turns import ContextLengthExceeded, LLMRequestError
@@ -70,7 +70,7 @@ class Api(Generic[Parsed]):
     what: str  # names its requests in error messages: "chat completions request"
     parse: Callable[[Any], tuple[CallRequest, Parsed]]
     render: Callable[[ModelCall, Parsed, str], dict[str, Any]]
-    events: Callable[[dict[str, Any], Parsed], Iterable[bytes] | AsyncIterable[bytes]]
+    events: Callable[[dict[str, Any], Parsed], Iterable[bytes]]
     error: ErrorReply
 
     async def endpoint(self, calls: ModelCalls, request: Request) -> Response:
@@ -94,7 +94,8 @@ class Api(Generic[Parsed]):
         answer = self.render(call, parsed, body.get("model") or calls.model)
         if not parsed.stream:
             return json_response(answer)
-        return StreamingResponse(self.events(answer, parsed), media_type="text/event-stream")
+        # The call is finished: its events go out as one body (a StreamingResponse of them took a thread hop each).
+        return Response(b"".join(self.events(answer, parsed)), media_type="text/event-stream")
 
 
 def text_of(content: str | list[dict[str, Any]] | None, kinds: set[str], where: str) -> str:
