@@ -1,6 +1,6 @@
-"""`prorl bench harness` stays runnable: a tiny run prints each side's figures (the proxy's bare HTTP hop too), the
-spread over rounds and the goal line, and leaves no proxy socket, sandbox or process behind. (What it measures is
-not asserted.)"""
+"""`prorl bench harness` stays runnable: a tiny run prints each side's figures (the proxy's two bare hops too), the
+spread over rounds, the floor and the goal line, and leaves no proxy socket, sandbox or process behind. (What it
+measures is not asserted.)"""
 
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ def test_harness_benchmark_runs_and_ends_with_the_goal_line() -> None:
         assert list(temp.iterdir()) == []  # the proxy's socket directory is gone
     lines = stdout.strip().splitlines()
     assert lines[0] == "harness proxy: 1 rounds x 2 calls a side, stand-in backend, 5 calls recorded"
-    assert [line.split()[0] for line in lines[1:4]] == ["direct", "proxy", "port"]
-    assert all("(2 calls)" in line for line in lines[1:4])
+    assert [line.split()[0] for line in lines[1:5]] == ["direct", "proxy", "port", "pool"]
+    assert all("(2 calls)" in line for line in lines[1:5])
     spread = r"added p50 per round: [-+]\d+\.\d\d \.\. [-+]\d+\.\d\d ms \(median [-+]\d+\.\d\d\)"
-    assert re.fullmatch(spread, lines[-3]), lines[-3]
+    assert re.fullmatch(spread, lines[-4]), lines[-4]
+    assert re.fullmatch(r"floor, the two hops .*: [-+]\d+\.\d\d ms", lines[-3]), lines[-3]
     assert lines[-2].startswith("proxy vs direct (p50): ")
     assert re.fullmatch(r"goal <= 2 ms p50 added: (met|not met) \(-?\d+\.\d\d ms\)", lines[-1]), lines[-1]
     assert not [p for p in psutil.process_iter(["cmdline"]) if "forwarder.py" in " ".join(p.info["cmdline"] or [])]
