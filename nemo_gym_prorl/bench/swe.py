@@ -3,8 +3,9 @@ GRPO group of 8 samples forked from one SWE init versus 8 fresh inits, and (c) t
 the rollout service, with its ``pipeline.fork_groups`` on versus off.
 
 (a) uses a scripted agent that applies the gold patch (the model's time left out), and every eval must resolve;
-(b) and (c) take turns round after round on the first instance of each project, timing wall and CPU seconds. The
-last line is (c)'s median over projects of the wall-time ratio, with the CPU ratio beside it.
+(b) and (c) take turns round after round on the first instance of each project, timing wall and CPU seconds ((b)
+also the patches taken after the gold patch). The last line is (c)'s median over projects of the wall-time ratio,
+with the CPU ratio and the machine's load beside it.
 
 Design notes: docs/benchmarks.md#benchswepy
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -26,6 +28,7 @@ from nemo_gym_prorl.bench.sandbox import cpu_seconds
 from nemo_gym_prorl.bench.tools import p50_p95, take_turns
 from nemo_gym_prorl.contracts.job import JobRequest
 from nemo_gym_prorl.contracts.task import TaskInstance, load_task
+from nemo_gym_prorl.envs.base import Episode, Submission
 from nemo_gym_prorl.envs.dataset import load_instances
 from nemo_gym_prorl.envs.swe.env import SweEnvironment
 from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceRuntime, ServiceSettings
@@ -51,14 +54,19 @@ def first_per_project(instances: list[TaskInstance]) -> list[TaskInstance]:
     return list(first.values())
 
 
+async def gold_patch_taken(env: SweEnvironment, instance: TaskInstance, episode: Episode) -> Submission:
+    """What `episode` submits once a scripted agent has applied the instance's gold patch through the bash tool."""
+    command = f"git apply <<'PRORL_EOF'\n{instance.data['patch']}PRORL_EOF"
+    await env.call_tool(episode, ToolCall(name="bash", arguments={"command": command}))
+    return await env.collect(episode)
+
+
 async def stage_times(env: SweEnvironment, instance: TaskInstance) -> tuple[float, float, float]:
     started = time.perf_counter()
     episode = await env.init(instance)
     staged = time.perf_counter()
     try:
-        command = f"git apply <<'PRORL_EOF'\n{instance.data['patch']}PRORL_EOF"
-        await env.call_tool(episode, ToolCall(name="bash", arguments={"command": command}))
-        submission = await env.collect(episode)
+        submission = await gold_patch_taken(env, instance, episode)
     finally:
         await env.close(episode)
     ran = time.perf_counter()
@@ -83,20 +91,27 @@ async def stages(instances: list[TaskInstance], rounds: int) -> None:
         print(f"  {backend:<10} init {init * 1e3:7.0f} ms   run {run * 1e3:7.0f} ms   eval {evaluate * 1e3:7.0f} ms")
 
 
-async def group(env: SweEnvironment, instance: TaskInstance, size: int, forked: bool) -> tuple[float, float]:
+async def group(env: SweEnvironment, instance: TaskInstance, size: int, forked: bool) -> tuple[float, float, float]:
     """Seconds until `size` samples of `instance` are staged (`forked`: one init forked into `size`, as the service's
-    group forking does; else `size` inits at once), and the CPU seconds of the group, closing included."""
+    group forking does; else `size` inits at once), seconds for all of them then to apply the gold patch and have
+    their patches taken, and the CPU seconds of the group, closing included."""
     cpu, started = cpu_seconds(), time.perf_counter()
     if forked:
         episodes: list = await env.fork(await env.init(instance), [env] * size)
     else:
         episodes = await asyncio.gather(*(env.init(instance) for _ in range(size)), return_exceptions=True)
-    elapsed = time.perf_counter() - started
-    await asyncio.gather(*(env.close(e) for e in episodes if not isinstance(e, BaseException)))
-    failures = [e for e in episodes if isinstance(e, BaseException)]
-    if failures:
-        raise failures[0]
-    return elapsed, cpu_seconds() - cpu
+    staged = time.perf_counter()
+    try:
+        failures = [e for e in episodes if isinstance(e, BaseException)]
+        if failures:
+            raise failures[0]
+        taken = await asyncio.gather(*(gold_patch_taken(env, instance, e) for e in episodes))
+        if not all(submission["patch"] for submission in taken):
+            raise RuntimeError(f"{instance.instance_id}: a sample's patch came back empty")
+        patched = time.perf_counter()
+    finally:
+        await asyncio.gather(*(env.close(e) for e in episodes if not isinstance(e, BaseException)))
+    return staged - started, patched - staged, cpu_seconds() - cpu
 
 
 @dataclass
@@ -113,10 +128,12 @@ class Side:
 class GroupSide(Side):
     env: SweEnvironment
     forked: bool
+    patch: list[float] = field(default_factory=list, kw_only=True)
 
     async def measure(self) -> None:
-        elapsed, cpu = await group(self.env, self.instance, self.size, self.forked)
+        elapsed, patch, cpu = await group(self.env, self.instance, self.size, self.forked)
         self.samples.append(elapsed)
+        self.patch.append(patch)
         self.cpu.append(cpu)
 
 
@@ -124,17 +141,20 @@ async def fork_vs_fresh(instances: list[TaskInstance], size: int, rounds: int) -
     image = BACKENDS["bwrap"]
     env = environment("bwrap", image)
     print(f"(b) a group of {size} on bwrap, {rounds} rounds each, p50 / p95 ms: {size} fresh inits | 1 init + "
-          f"fork({size}) | ratio of p50s | CPU s p50 fresh / forked")  # fmt: skip
+          f"fork({size}) | ratio of p50s | patches taken after the gold patch, p50 ms fresh / forked | CPU s p50 "
+          f"fresh / forked")  # fmt: skip
     ratios = []
     for instance in instances:
         fresh, forked = GroupSide(instance, size, env, False), GroupSide(instance, size, env, True)
         await take_turns([fresh, forked], rounds, warmup=1)
-        fresh.cpu, forked.cpu = fresh.cpu[-rounds:], forked.cpu[-rounds:]  # take_turns drops warm-up samples only
+        for side in (fresh, forked):  # take_turns drops warm-up samples only
+            side.cpu, side.patch = side.cpu[-rounds:], side.patch[-rounds:]
         (fresh_p50, fresh_p95), (forked_p50, forked_p95) = p50_p95(fresh.samples), p50_p95(forked.samples)
         ratios.append(fresh_p50 / forked_p50)
+        patch = f"{statistics.median(fresh.patch) * 1e3:5.0f} / {statistics.median(forked.patch) * 1e3:5.0f}"
         cpu = f"{statistics.median(fresh.cpu):.2f} / {statistics.median(forked.cpu):.2f}"
         print(f"  {instance.instance_id:<24} {fresh_p50 * 1e3:6.0f} / {fresh_p95 * 1e3:6.0f} | {forked_p50 * 1e3:6.0f} / "
-              f"{forked_p95 * 1e3:6.0f} | {ratios[-1]:.1f}x | {cpu}")  # fmt: skip
+              f"{forked_p95 * 1e3:6.0f} | {ratios[-1]:.1f}x | {patch} | {cpu}")  # fmt: skip
     print(f"fork ratio: {statistics.median(ratios):.1f}x faster to a staged group of {size} (median over "
           f"{len(ratios)} projects, {min(ratios):.1f}x to {max(ratios):.1f}x; goal >= 5x)")  # fmt: skip
 
@@ -172,8 +192,9 @@ class ServiceSide(Side):
 
 async def service_fork_vs_not(instances: list[TaskInstance], size: int, rounds: int, folder: Path) -> None:
     task_file = service_task_file(folder)
-    print(f"(c) a job of n={size} through the service (bwrap, stand-in model, one turn), {rounds} rounds each, p50 s: "
-          f"fork_groups off | on | wall ratio | CPU s p50 off / on | CPU ratio")  # fmt: skip
+    print(f"(c) a job of n={size} through the service (bwrap, stand-in model, one turn), {rounds} rounds each, s p50 "
+          f"(min-max): fork_groups off | on | wall ratio | CPU s p50 off / on | CPU ratio")  # fmt: skip
+    load = os.getloadavg()[0]
     async with AsyncExitStack() as stack:
         model = await stack.enter_async_context(ModelServerProcess(standin_argv(STANDIN_SCRIPT)))
         orchestrators = {}
@@ -193,11 +214,14 @@ async def service_fork_vs_not(instances: list[TaskInstance], size: int, rounds: 
             cpu_off, cpu_on = statistics.median(off.cpu), statistics.median(on.cpu)
             walls.append(wall_off / wall_on)
             cpus.append(cpu_off / cpu_on)
-            print(f"  {instance.instance_id:<24} {wall_off:6.2f} | {wall_on:6.2f} | {walls[-1]:.2f}x | "
+            print(f"  {instance.instance_id:<24} {wall_off:5.2f} ({min(off.samples):.2f}-{max(off.samples):.2f}) | "
+                  f"{wall_on:5.2f} ({min(on.samples):.2f}-{max(on.samples):.2f}) | {walls[-1]:.2f}x | "
                   f"{cpu_off:.2f} / {cpu_on:.2f} | {cpus[-1]:.2f}x")  # fmt: skip
+    loads = f"{load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     print(f"service fork_groups: {statistics.median(walls):.2f}x faster (wall) and {statistics.median(cpus):.2f}x less "
           f"CPU for a job of n={size} through the service (median over {len(walls)} projects; wall {min(walls):.2f}x "
-          f"to {max(walls):.2f}x)")  # fmt: skip
+          f"to {max(walls):.2f}x, CPU {min(cpus):.2f}x to {max(cpus):.2f}x; load {loads}; goal >= 1.3x wall, "
+          f">= 1.2x CPU)")  # fmt: skip
 
 
 async def _run(rounds: int, group_size: int, fork_rounds: int, service_rounds: int, only: str | None) -> None:
@@ -217,7 +241,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="stage measurements per instance and backend")
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--fork-rounds", type=int, default=5)
-    parser.add_argument("--service-rounds", type=int, default=3, help="(c): jobs per project and side")
+    parser.add_argument("--service-rounds", type=int, default=5, help="(c): jobs per project and side")
     parser.add_argument("--only", choices=["stages", "fork", "service"], help="run one part only")
     args = parser.parse_args(argv)
     asyncio.run(_run(args.rounds, args.group, args.fork_rounds, args.service_rounds, args.only))
