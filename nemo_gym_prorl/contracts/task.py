@@ -114,6 +114,8 @@ class HarnessConfig(BaseModel):
     def _named_when_collected(cls, answer_file: str | None, info: ValidationInfo) -> str | None:
         if (info.data.get("collect") == "answer_file") != (answer_file is not None):
             raise ValueError("expected a path exactly when collect is answer_file")
+        if answer_file is not None and (answer_file.startswith("/") or ".." in Path(answer_file).parts):
+            raise ValueError(f"expected a path inside the workspace, relative to it, got {answer_file!r}")
         return answer_file
 
 
@@ -163,6 +165,9 @@ class TaskConfig(BaseModel):
     def _harness_brings_its_tools(cls, harness: HarnessConfig | None, info: ValidationInfo) -> HarnessConfig | None:
         if harness is not None and info.data.get("tools"):
             raise ValueError("a harness brings its own tools: expected tools: [] beside it")
+        if harness is not None and harness.collect == "workspace_patch" and info.data.get("type") != "swe":
+            raise ValueError(f"collect: workspace_patch is the swe env's patch; a {info.data.get('type')} task "
+                             "collects its answer from a file: expected collect: answer_file")  # fmt: skip
         return harness
 
     def example_messages(self) -> list[dict[str, Any]]:

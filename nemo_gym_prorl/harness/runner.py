@@ -1,13 +1,14 @@
 """A harness in our agent loop's place: the pipeline's init, run and close of a rollout whose task names one.
 
-`init` stages the task as for our loop, with the rollout's model proxy started and its socket and the harness's
-package layer bound into the sandbox; `run` runs the unmodified harness as one sandbox process under the task's
-time limit (the env then collects and grades as it always does), and the trajectory's segments are the proxy's
-recorded calls. The proxy lives from init to the end of run, and `close` (every path that frees the sandbox)
-stops it. Failures are told apart so a trainer can mask what is not the policy's: the sandbox, proxy or backend
-failing, the harness crashing or hanging is a `critical_error` with a reason (masked); the harness stopped by
-the turn limit or the deadline the proxy enforces is the policy's (``finish: max_turns``). No harness process
-outlives the rollout: the sandbox closes, with its pid namespace.
+`init` stages the task as for our loop, with the rollout's model proxy started and its socket, the harness's
+package layer and its config file bound into the sandbox; `run` runs the unmodified harness as one sandbox process
+under the task's time limit (the env then collects and grades as it always does: the workspace's patch, or the
+answer the harness left in its `answer_file`); the trajectory's segments are the proxy's recorded calls. The proxy
+lives from init to the end of run, and `close` (every path that frees the sandbox) stops it. Failures are told
+apart so a trainer can mask what is not the policy's: the sandbox, proxy or backend failing, the harness crashing
+or hanging is a `critical_error` with a reason (masked); the harness stopped by the turn limit or the deadline the
+proxy enforces is the policy's (``finish: max_turns``). No harness process outlives the rollout: the sandbox
+closes, with its pid namespace.
 """
 
 from __future__ import annotations
@@ -84,12 +85,24 @@ class HarnessRunner:
             trajectory.num_tool_calls = len(self.calls.calls)
             await self.close()
         self._judge(trajectory, result)
+        if self.harness.answer_file is not None:
+            episode.answer = await self._answer(episode)
 
     async def close(self) -> None:
         """Idempotent: the proxy, its socket and its forwarder are gone when it returns."""
         proxy, self._proxy = self._proxy, None
         if proxy is not None:
             await proxy.close()
+
+    async def _answer(self, episode: Episode) -> str | None:
+        """`collect: answer_file`: the file's text, what the env grades as the answer; none written (or not a
+        readable file) is no answer, the policy's outcome."""
+        assert episode.sandbox is not None and self.harness.answer_file is not None
+        try:
+            data = await episode.sandbox.read_file(self.harness.answer_file)
+        except OSError:
+            return None
+        return data.decode("utf-8", errors="replace").strip()
 
     def _layer(self) -> Path | None:
         if not self.harness.install.pip:
@@ -101,8 +114,8 @@ class HarnessRunner:
         if layer is not None:
             binds.append(BindMount(source=str(layer), target=LAYER_MOUNT))
             env["PYTHONPATH"] = f"{LAYER_MOUNT}/{SITE}"
-        if self.harness.config_file is not None:
-            binds.append(BindMount(source=str(self.harness.config_file.parent), target=CONFIG_MOUNT))
+        if (config := self.harness.config_file) is not None:  # the file alone: its folder may hold the gold answers
+            binds.append(BindMount(source=str(config), target=f"{CONFIG_MOUNT}/{config.name}"))
         return spec.model_copy(update={"binds": binds, "env": env})
 
     def _argv(self, env: Environment, instance: TaskInstance) -> list[str]:

@@ -1,7 +1,8 @@
 """A harness task runs wherever a task runs: `prorl rollout`, the service's jobs (a GRPO group, each sample with its
 own sandbox and proxy) and Gym's `/run`, all through the service's pipeline, at once on one service (`prorl
 rollout` as its client: in-process it runs the same runtime). mini-swe-agent against the stand-in model (its action
-format, deterministically) on the offline SWE suite's first instance, in bubblewrap sandboxes."""
+format, deterministically) on the offline SWE suite's first instance (its patch graded) and on arithmetic's (the
+answer it left in answer.txt graded), in bubblewrap sandboxes."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from nemo_gym_prorl.service.client import RolloutClient, ServiceError
 pytestmark = pytest.mark.slow
 
 TASK = "swe/offline_mini_swe_agent_harness"
+MATH_TASK = "math/arithmetic_mini_swe_agent_harness"  # its answer from the file the harness leaves (answer.txt)
 TOKEN = "harness-s3cret"
 
 
@@ -35,23 +37,27 @@ def mini_model(rootfs: Path) -> Iterator[str]:
     yield from running_standin(MINI_SWE_AGENT_SCRIPT)
 
 
-def row() -> dict[str, Any]:
-    return load_instances(load_task(TASK).dataset, limit=1)[0].data
+def row(task: str = TASK) -> dict[str, Any]:
+    return load_instances(load_task(task).dataset, limit=1)[0].data
 
 
-def assert_solved_by_the_harness(trajectory: Trajectory) -> None:
-    """mini-swe-agent's two calls as one contiguous segment with every token field, and its patch graded."""
+def assert_run_by_the_harness(trajectory: Trajectory) -> None:
+    """mini-swe-agent's two calls as one contiguous segment with every token field, graded."""
     assert trajectory.critical_error is None, trajectory.error
     assert trajectory.finish == "finish" and trajectory.messages == []
     (segment,) = trajectory.segments
     assert len(segment) == 2 and all(turn[field] for turn in segment for field in TOKEN_FIELDS)
-    assert "harness_was_here.txt" in (trajectory.submission or {}).get("patch", "")
     assert trajectory.evaluation and trajectory.mask_reason() is None
+
+
+def assert_solved_by_the_harness(trajectory: Trajectory) -> None:
+    assert_run_by_the_harness(trajectory)
+    assert "harness_was_here.txt" in (trajectory.submission or {}).get("patch", "")
 
 
 async def test_prorl_rollout_a_service_job_and_gyms_run_each_run_a_harness_task(mini_model: str, tmp_path: Path) -> None:
     config = ServiceConfig(
-        service=ServiceSettings(port=0, tasks=[TASK], store=tmp_path / "jobs.db", token=TOKEN),
+        service=ServiceSettings(port=0, tasks=[TASK, MATH_TASK], store=tmp_path / "jobs.db", token=TOKEN),
         model=ModelConfig(
             kind="remote", addresses=[mini_model], served_model_name="standin", generation_mode="tokens"
         ),
@@ -66,7 +72,7 @@ async def test_prorl_rollout_a_service_job_and_gyms_run_each_run_a_harness_task(
         )  # fmt: skip
         auth = {"authorization": f"Bearer {TOKEN}"}
         async with httpx.AsyncClient(base_url=service.url, headers=auth, timeout=300) as http:
-            job_id = await client.submit(JobRequest(task=TASK, instance=row(), n=2))
+            job_id = await client.submit(JobRequest(task=MATH_TASK, instance=row(MATH_TASK), n=2))
             job, run, (printed, _) = await asyncio.gather(
                 client.wait(job_id), http.post("/run", json=gym_row), cli.communicate()
             )
@@ -75,7 +81,8 @@ async def test_prorl_rollout_a_service_job_and_gyms_run_each_run_a_harness_task(
     assert_solved_by_the_harness(Trajectory.model_validate_json(line))
     assert len(job.results) == 2  # a GRPO group: each sample its own sandbox and proxy
     for trajectory in job.results:
-        assert_solved_by_the_harness(trajectory)
+        assert_run_by_the_harness(trajectory)
+        assert trajectory.submission == {"answer": "-6"} and trajectory.reward == 1.0
     body = run.raise_for_status().json()
     assert body["critical_error"] is None and body["mask_sample"] is False, body["failure_reason"]
     assert body["num_segments"] == 1 and body["num_turns"] == 2 and body["delivered_fraction"] == 1.0

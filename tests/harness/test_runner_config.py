@@ -36,6 +36,7 @@ def write_task(tmp_path: Path, harness: str, tools: str = "[]") -> Path:
 
 
 BASE = "name: h\ninstall: {pip: [pkg==1.0]}\ncommand: [run, '{prompt}']\n"
+ANSWERED = BASE + "collect: answer_file\nanswer_file: answer.txt\n"  # how a math task collects what a harness did
 
 
 @pytest.mark.parametrize(
@@ -55,7 +56,12 @@ BASE = "name: h\ninstall: {pip: [pkg==1.0]}\ncommand: [run, '{prompt}']\n"
          "when collect is answer_file"),
         (BASE + "answer_file: out.txt\n", "[]", "expected a path exactly when collect is answer_file"),
         (BASE + "timeout_s: 0\n", "[]", "field 'harness.timeout_s': Input should be greater than 0"),
-        (BASE + "config_file: missing.yaml\n", "[]", "field 'harness.config_file': no file"),
+        (ANSWERED + "config_file: missing.yaml\n", "[]", "field 'harness.config_file': no file"),
+        (BASE, "[]", "field 'harness': Value error, collect: workspace_patch is the swe env's patch; a math task "
+         "collects its answer from a file: expected collect: answer_file"),
+        (BASE + "collect: answer_file\nanswer_file: ../answer.txt\n", "[]", "field 'harness.answer_file': Value "
+         "error, expected a path inside the workspace, relative to it, got '../answer.txt'"),
+        (BASE + "collect: answer_file\nanswer_file: /tmp/answer.txt\n", "[]", "expected a path inside the workspace"),
     ],
 )
 def test_a_bad_harness_section_is_refused_naming_file_and_field(

@@ -155,9 +155,12 @@ def running(command: list[str]) -> list[int]:
     return found
 
 
-# Run as the harness: the host's loopback listener is out of reach, the proxy (and through it the model) is not.
+# Run as the harness: the host's loopback listener is out of reach, the proxy (and through it the model) is not,
+# and of the task's folder (the suite's rows and their gold patches) only the harness's config is bound in.
 PROBE = """
 import json, os, socket, sys, urllib.request
+if os.listdir("/.prorl-harness-config") != ["mini_swe_agent.yaml"]:  # its config alone, not the task's folder
+    sys.exit("the harness sees %s beside its config" % os.listdir("/.prorl-harness-config"))
 try:
     socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5).close()
     sys.exit("reached the host's loopback listener")

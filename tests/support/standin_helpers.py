@@ -12,9 +12,10 @@ from nemo_gym_prorl.models.standin import standin_argv
 SCRIPT = ["```bash\necho $((6 * 7))\n```", "\\boxed{42}"]  # a tool call, then the answer
 STAGED_SCRIPT = ["```bash\ncat problem.txt; echo $((6 * 7))\n```", "\\boxed{42}"]  # reads what init staged
 ROW = {"id": "q1", "question": "Calculate 6 * 7.", "answer": "42"}
-# mini-swe-agent's text action format: a new file in the repository, then its submit command.
+# mini-swe-agent's text action format: a new file in the repository (and the answer to arithmetic's first row,
+# -42 / 7, in answer.txt), then its submit command.
 MINI_SWE_AGENT_SCRIPT = [
-    "THOUGHT: leave a mark.\n\n```mswea_bash_command\necho fixed > harness_was_here.txt\n```",
+    "THOUGHT: leave a mark.\n\n```mswea_bash_command\necho fixed > harness_was_here.txt; echo -6 > answer.txt\n```",
     "THOUGHT: done.\n\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
 ]
 
