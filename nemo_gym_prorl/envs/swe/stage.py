@@ -129,7 +129,7 @@ async def extract_patch(
     """The agent's change against the base commit, as a text diff (see the module docstring). `changed`: the paths
     the sandbox changed since its staging, where it knows them (a fork's overlay, `changed_paths`): git then looks
     at those alone, on a fresh index of the base, instead of walking the whole tree (a fork's first walk re-reads
-    every file: its stat data differs from the index's), and nothing changed is no patch, with no command run. A
+    the files whose stat data no longer matches the index's), and nothing changed is no patch, no command run. A
     patch whose base64 fits in a command's output (`max_output_bytes`) comes back on that output: reading it back
     costs a fork another process start in its namespaces (~50 ms), as much as the extraction itself."""
     paths = _paths_to_diff(changed)
