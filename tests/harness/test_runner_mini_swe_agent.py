@@ -79,9 +79,16 @@ async def rollout(env: SweEnvironment, harness: HarnessRunner, **deadlines: floa
     return trajectory
 
 
+@pytest.mark.parametrize("backend", ["bwrap", "apptainer"])
 async def test_mini_swe_agent_finishes_an_offline_swe_rollout_with_every_call_in_the_trajectory(
-    env: SweEnvironment, mini_model: str, http: JsonHttp, tokenizer: Tokenizer
+    backend: str, request: pytest.FixtureRequest, mini_model: str, http: JsonHttp, tokenizer: Tokenizer
 ) -> None:
+    task = load_task(TASK)
+    if backend == "apptainer":  # the episode and its grading on the SIF of the same image
+        request.getfixturevalue("sif")
+        task.verifier = task.verifier | {"image": "default-sif"}
+    env = make_environment(task, backend)
+    assert isinstance(env, SweEnvironment)
     instance = load_instances(env.task.dataset, limit=1)[0]
     run = runner(env, mini_model, http, tokenizer)
     trajectory = await rollout(env, run)
