@@ -211,6 +211,12 @@ class LLMPool:
         return self._in_flight
 
     @property
+    def streamed(self) -> list[int]:
+        """Tokens streamed so far by each cuttable request at a server now (``weight_update: cut``): what a pause
+        now would cut and keep."""
+        return [len(partial.ids) for partial in self._streams.values()]
+
+    @property
     def generated(self) -> Generated:
         """A copy of the answers and completion tokens counted so far."""
         return self._generated.model_copy()

@@ -50,6 +50,10 @@ class Generation:
     policy_version: int | None = None  # the pool's version of the weights that generated it
 
 
+TokenSink = Callable[[int, float], None]
+"""Sees a generation's tokens one by one: (token id, log-prob)."""
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max()
     return shifted - np.log(np.exp(shifted).sum())
@@ -130,7 +134,11 @@ class LlamaEngine:
         self.llama.eval(tokens)
         return np.ctypeslib.as_array(self.llama._ctx.get_logits(), shape=(self._n_vocab,)).copy()
 
-    def generate(self, prompt: list[int], params: SamplingParams, abort: threading.Event | None = None) -> Generation:
+    def generate(
+        self, prompt: list[int], params: SamplingParams, abort: threading.Event | None = None,
+        on_token: TokenSink | None = None,
+    ) -> Generation:  # fmt: skip
+        """`on_token` sees each sampled token and its log-prob as it comes (a stream), from this thread."""
         if not prompt:
             raise ValueError("prompt is empty")
         if min(prompt) < 0 or max(prompt) >= self._n_vocab:
@@ -147,6 +155,8 @@ class LlamaEngine:
             out.token_ids.append(token)
             out.log_probs.append(logprob)
             out.top_logprobs.append(top)
+            if on_token is not None:
+                on_token(token, logprob)
             if self.tokenizer.is_end_of_generation(token):
                 out.finish_reason = "stop"
                 break
@@ -231,7 +241,11 @@ class EnginePool:
     def model_path(self) -> Path:
         return self.engines[0].model_path
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, on_token: TokenSink | None = None
+    ) -> Generation:
+        """The generation; `on_token` (called in the engine's thread) sees each token as it is sampled. Cancelled,
+        the engine stops after its current token."""
         self.engines[0].check_fits(prompt, params.max_tokens)
         async with self._available:
             await self._available.wait_for(lambda: not self._swapping and bool(self._idle))
@@ -240,7 +254,7 @@ class EnginePool:
             version = self.policy_version  # the engine's weights stay until it is back: no swap before that
         abort = threading.Event()
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, engine.generate, prompt, params, abort)
+        future = loop.run_in_executor(None, engine.generate, prompt, params, abort, on_token)
         # The engine goes back only when its thread is really done, even if the request was cancelled.
         future.add_done_callback(lambda _: loop.create_task(self._release(engine)))
         try:

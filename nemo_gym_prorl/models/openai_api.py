@@ -21,7 +21,7 @@ class _Request(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per request")
-    stream: Literal[False] = Field(False, description="streaming is not supported")
+    stream: bool = Field(False, description="completions only: one token a chunk, as server-sent events")
     return_token_ids: bool = False
 
     def sampling_params(self, top_logprobs: int) -> SamplingParams:
@@ -52,6 +52,13 @@ class ChatCompletionRequest(_Request):
             self.max_tokens = self.max_completion_tokens
         return self
 
+    @field_validator("stream")
+    @classmethod
+    def _not_streamed(cls, stream: bool) -> bool:
+        if stream:
+            raise ValueError("streaming is for /v1/completions only: chat completions answer whole")
+        return stream
+
     @field_validator("messages")
     @classmethod
     def _messages_have_roles(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -67,6 +74,12 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = Field(False, description="echo is not supported")
     return_tokens_as_token_ids: bool = False
+
+    @model_validator(mode="after")
+    def _stream_without_stop(self) -> CompletionRequest:
+        if self.stream and self.stop:
+            raise ValueError("stop with stream is not supported: a streamed token cannot be taken back at a stop string")
+        return self
 
     @field_validator("prompt")
     @classmethod

@@ -5,24 +5,25 @@ Token information, by what the request asks for:
   ``generation_log_probs`` on ``choices[0].message`` (NeMo RL's server), and ``token_id:N`` token strings.
 - ``return_token_ids``: top-level ``prompt_token_ids`` and ``choices[0].token_ids`` (vLLM).
 - Earlier assistant messages that carry their ``prompt_token_ids`` + ``generation_token_ids`` are spliced back as
-  the exact prefix of the new prompt (NeMo RL's ``required_prefix_token_ids``), so a multi-turn conversation's
-  tokens never drift from what the model really saw and produced.
+  the exact prefix of the new prompt (NeMo RL's ``required_prefix_token_ids``): a conversation's tokens never drift.
 
-Policy versions (a trainer's live weights): a server started with ``--policy-version N`` stamps every generation
-with the version of the weights that made it (``policy_version`` on the completions choice, on the chat message,
-and at the top level; absent when the server has none). ``POST /policy/load {"gguf": path, "version": N}`` swaps
-in new weights: generations running finish on the old ones, requests arriving meanwhile wait and run on the new.
-``GET /policy`` says which weights serve.
+``/v1/completions`` streams with ``stream: true``: one token a chunk, its id and log-prob (the LLM pool's weight
+update cuts and re-issues such requests); a client that leaves stops the generation. Policy versions: a server started with ``--policy-version N`` stamps every generation with the version of the
+weights that made it (on the completions choice, the chat message and the top level). ``POST /policy/load
+{"gguf": path, "version": N}`` swaps weights: running generations finish on the old ones, later requests wait
+for the new. ``GET /policy`` says which weights serve.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,10 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.models.engine import ContextLengthError, EnginePool, Generation, LlamaEngine, PolicyLoadError
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.openai_api import (
@@ -216,10 +218,12 @@ def create_app(pool: EnginePool, served_model_name: str, load_engines: EngineLoa
             choice["token_ids"] = gen.token_ids
         return body
 
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest) -> dict[str, Any]:
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: CompletionRequest) -> dict[str, Any] | StreamingResponse:
         prompt = request.prompt if isinstance(request.prompt, list) else tokenizer.encode(request.prompt, add_bos=True)
         top = request.logprobs or 0
+        if request.stream:
+            return StreamingResponse(_streamed(pool, list(prompt), request.sampling_params(0)), media_type="text/event-stream")
         gen = await pool.generate(list(prompt), request.sampling_params(top))
         choice: dict[str, Any] = {"index": 0, "text": gen.text, "finish_reason": gen.finish_reason, "logprobs": None}
         _stamp(choice, gen)
@@ -261,6 +265,39 @@ def create_app(pool: EnginePool, served_model_name: str, load_engines: EngineLoa
         return {"prompt": tokenizer.decode(request.tokens)}
 
     return app
+
+
+async def _streamed(pool: EnginePool, prompt: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
+    """A completion as server-sent events, one token a chunk (its id, its log-prob, its text), then the finish
+    reason and the usage; a client that leaves stops the generation after its current token (the pool's weight
+    update cuts requests this way, and re-issues them as prompt + the tokens it got)."""
+    loop, tokens = asyncio.get_running_loop(), asyncio.Queue[tuple[int, float] | None]()
+    generation = asyncio.ensure_future(
+        pool.generate(prompt, params, lambda t, lp: loop.call_soon_threadsafe(tokens.put_nowait, (t, lp)))
+    )
+    generation.add_done_callback(lambda _: tokens.put_nowait(None))  # after every token the thread put
+    ids: list[int] = []
+    text = ""
+    try:
+        while (item := await tokens.get()) is not None:
+            token, log_prob = item
+            ids.append(token)
+            now = pool.tokenizer.decode(ids)
+            choice = {"index": 0, "text": now[len(text) :], "token_ids": [token],
+                      "logprobs": {"token_logprobs": [log_prob]}, "finish_reason": None}  # fmt: skip
+            text = now
+            if pool.policy_version is not None:  # no swap while this generation holds its engine
+                choice["policy_version"] = pool.policy_version
+            yield _event({"object": "text_completion", "choices": [choice]})
+        gen = generation.result()
+        yield _event({"object": "text_completion", "choices": [{"index": 0, "text": "", "finish_reason": gen.finish_reason}]})
+        yield _event({"choices": [], "usage": _usage(gen)}) + b"data: [DONE]\n\n"
+    finally:
+        generation.cancel()
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

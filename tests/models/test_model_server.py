@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 from conftest import TEST_N_CTX
 
+from nemo_gym_prorl.agent.llm_pool import LLMPool, LLMPoolConfig
 from nemo_gym_prorl.contracts.trajectory import contiguity_violation
+from nemo_gym_prorl.models.launcher import LocalModelServer
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 
@@ -106,6 +109,55 @@ async def test_completions_accept_token_id_prompts(model_http: httpx.AsyncClient
     assert choice["prompt_token_ids"] == prompt == body["prompt_token_ids"]
     assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"])
     assert choice["text"] == tokenizer.decode(choice["token_ids"])
+
+
+async def test_a_streamed_completion_is_the_unstreamed_one_token_by_token(
+    model_http: httpx.AsyncClient, tokenizer: Tokenizer
+) -> None:
+    prompt = tokenizer.encode(tokenizer.chat_template.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True))
+    request = {"prompt": prompt, "max_tokens": 12, "logprobs": 0, "return_token_ids": True, "seed": 7}
+    whole = (await model_http.post("/v1/completions", json=request)).json()["choices"][0]
+    chunks = []
+    async with model_http.stream("POST", "/v1/completions", json=request | {"stream": True}) as streamed:
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        async for line in streamed.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line.removeprefix("data: ")))
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    assert [t for c in choices for t in c.get("token_ids", [])] == whole["token_ids"]
+    assert [lp for c in choices for lp in c.get("logprobs", {}).get("token_logprobs", [])] == pytest.approx(
+        whole["logprobs"]["token_logprobs"], abs=1e-5
+    )
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    assert choices[-1]["finish_reason"] == whole["finish_reason"]
+    assert chunks[-1]["usage"]["completion_tokens"] == len(whole["token_ids"])
+    refused = await model_http.post("/v1/completions", json=request | {"stream": True, "stop": ["\n"]})
+    assert refused.status_code == 400 and "stop with stream" in refused.json()["error"]["message"]
+
+
+async def test_a_weight_update_cuts_a_local_model_request_and_its_re_issue_ends_it_token_faithfully(
+    model_server: LocalModelServer, tokenizer: Tokenizer
+) -> None:
+    """weight_update=cut against the embedded server itself: the request streams, the pause cuts it after the tokens
+    it got, and after the resume it is re-issued as prompt + those tokens; greedy, it ends as the uncut one does."""
+    chat = [{"role": "user", "content": "Count from 1 to 40, one number a line."}]
+    prompt = tokenizer.encode(tokenizer.chat_template.render(chat, add_generation_prompt=True))
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "logprobs": 0, "return_token_ids": True}
+    async with LLMPool(LLMPoolConfig(weight_update="cut"), [model_server.base_url]) as pool:
+        pool.resume(policy_version=0)
+        uncut = (await pool.post("a", "/completions", body))["choices"][0]
+        request = asyncio.create_task(pool.post("b", "/completions", body))
+        async with asyncio.timeout(60):  # some of its tokens have arrived
+            while not any(pool.streamed):
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(pool.pause(), 60)
+        assert not request.done() and pool.generated.cut == 1 and pool.streamed == []  # cut, waiting for the resume
+        pool.resume(policy_version=1)
+        cut = (await asyncio.wait_for(request, 120))["choices"][0]
+    assert cut["token_ids"] == uncut["token_ids"] and len(cut["logprobs"]["token_logprobs"]) == len(cut["token_ids"])
+    assert cut["text"] == uncut["text"] and cut["finish_reason"] == uncut["finish_reason"]
+    (before, kept), (after, rest) = cut["version_spans"]  # the tokens before the cut, and those the re-issue made
+    assert (before, after) == (0, 1) and kept >= 1 and kept + rest == len(cut["token_ids"])
 
 
 async def test_tools_are_rendered_into_the_prompt(model_http: httpx.AsyncClient) -> None:
