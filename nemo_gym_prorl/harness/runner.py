@@ -25,9 +25,11 @@ from nemo_gym_prorl.harness.calls import ModelCalls
 from nemo_gym_prorl.harness.proxy import ModelProxy, ProxyConfig, ProxyError
 from nemo_gym_prorl.harness.segments import segments
 from nemo_gym_prorl.sandbox.images import ImageError, build_rootfs
-from nemo_gym_prorl.sandbox.layers import SITE, build_pip_layer
+from nemo_gym_prorl.sandbox.layers import BIN, SITE, build_npm_layer, build_pip_layer
 
-LAYER_MOUNT = "/.prorl-harness"
+LAYER_MOUNT = "/.prorl-harness"  # the pip layer: its site/ on PYTHONPATH
+NPM_LAYER_MOUNT = "/.prorl-harness-npm"  # the npm layer: its bin/ (native commands) first on PATH
+IMAGE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"  # the sandboxes' PATH, unless set
 CONFIG_MOUNT = "/.prorl-harness-config"
 OUTPUT_TAIL = 2000  # characters of the harness's output kept in the error line of a failed run
 FORWARDER_MARGIN_S = 60.0  # the forwarder outlives the harness's own time limit by this much at most
@@ -49,13 +51,13 @@ class HarnessRunner:
         """The task staged in a sandbox that reaches the model through this rollout's proxy, and nothing else."""
         name = self.harness.name
         try:
-            layer = await asyncio.to_thread(self._layer)
+            layers = await asyncio.to_thread(self._layers)
         except ImageError as e:
             raise RolloutFailed("init", f"harness {name}: its layer could not be built: {e}") from None
         self._proxy = proxy = ModelProxy(self.calls, self.proxy_config)
         try:
             await proxy.start()
-            episode = await env.init(instance, lambda spec: self._spec(proxy.sandbox_spec(spec), layer))
+            episode = await env.init(instance, lambda spec: self._spec(proxy.sandbox_spec(spec), layers))
             try:
                 if episode.sandbox is None:
                     raise RolloutFailed("init", f"{env.task.origin}: its env gives no sandbox to run a harness in")
@@ -104,16 +106,22 @@ class HarnessRunner:
             return None
         return data.decode("utf-8", errors="replace").strip()
 
-    def _layer(self) -> Path | None:
-        if not self.harness.install.pip:
-            return None
-        return build_pip_layer(self.harness.install.pip, build_rootfs())
+    def _layers(self) -> dict[str, Path]:
+        """The harness's package layers, built unless cached, by where its sandbox binds them."""
+        install, layers = self.harness.install, {}
+        if install.pip:
+            layers[LAYER_MOUNT] = build_pip_layer(install.pip, build_rootfs())
+        if install.npm:
+            layers[NPM_LAYER_MOUNT] = build_npm_layer(install.npm)
+        return layers
 
-    def _spec(self, spec: SandboxSpec, layer: Path | None) -> SandboxSpec:
+    def _spec(self, spec: SandboxSpec, layers: dict[str, Path]) -> SandboxSpec:
         binds, env = list(spec.binds), {**spec.env, **self.harness.env}
-        if layer is not None:
-            binds.append(BindMount(source=str(layer), target=LAYER_MOUNT))
+        binds += [BindMount(source=str(layer), target=mount) for mount, layer in layers.items()]
+        if LAYER_MOUNT in layers:
             env["PYTHONPATH"] = f"{LAYER_MOUNT}/{SITE}"
+        if NPM_LAYER_MOUNT in layers:
+            env["PATH"] = f"{NPM_LAYER_MOUNT}/{BIN}:{env.get('PATH', IMAGE_PATH)}"
         if (config := self.harness.config_file) is not None:  # the file alone: its folder may hold the gold answers
             binds.append(BindMount(source=str(config), target=f"{CONFIG_MOUNT}/{config.name}"))
         return spec.model_copy(update={"binds": binds, "env": env})
