@@ -205,9 +205,13 @@ class Orchestrator:
                 rollout_env, agent = env, self._agent(env, trajectory_id, sampling)
             else:
                 rollout_env, agent = self.remote.bind(env, job_id, trajectory_id, sampling)
-            first_turn_agent = None  # a remote loop generates on its worker; a first turn alone is generated here
-            if request.first_turn_fallback and env.task.harness is None:  # a harness's first prompt is its own
-                first_turn_agent = agent if self.remote is None else self._agent(env, trajectory_id, sampling)
+            # A first turn alone is generated here by our loop: a remote one generates on its worker, and a harness
+            # that never started has no prompt of its own to give (the turn is masked: its tokens are what counts).
+            first_turn_agent = None
+            if request.first_turn_fallback:
+                first_turn_agent = agent if isinstance(agent, AgentLoop) and self.remote is None else make_agent_loop(
+                    env, self.model, self.pool, self.tokenizer, trajectory_id, sampling
+                )
             rollout = Rollout(
                 env=rollout_env,
                 agent=agent,

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from standin_helpers import MINI_SWE_AGENT_SCRIPT, running_standin
 
-from nemo_gym_prorl.agent.turns import http_poster
+from nemo_gym_prorl.agent.loop import AgentLoop
+from nemo_gym_prorl.agent.turns import http_poster, turn_generator
 from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.task import TaskConfig, load_task
 from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, Trajectory, contiguity_violation
@@ -23,11 +24,12 @@ from nemo_gym_prorl.envs import make_environment
 from nemo_gym_prorl.envs.dataset import load_instances
 from nemo_gym_prorl.envs.swe.env import SweEnvironment
 from nemo_gym_prorl.harness.calls import ModelCalls
-from nemo_gym_prorl.harness.proxy import ModelProxy
+from nemo_gym_prorl.harness.proxy import ModelProxy, ProxyConfig
 from nemo_gym_prorl.harness.runner import HarnessRunner
 from nemo_gym_prorl.json_http import JsonHttp
 from nemo_gym_prorl.models.tokenizer import Tokenizer
 from nemo_gym_prorl.service.pipeline import PipelineConfig, Rollout, run_rollouts
+from nemo_gym_prorl.tool_calls import tool_call_format
 
 TASK = "swe/offline_mini_swe_agent_harness"
 SAMPLING = SamplingParams(temperature=0.7, max_tokens=256, seed=3)
@@ -149,6 +151,25 @@ async def test_a_harness_the_pipeline_stops_at_its_run_deadline_leaves_no_proces
     assert trajectory.critical_error == "timeout"
     assert trajectory.error == "the run stage ran past its deadline of 2 s"
     assert not running(command)
+
+
+async def test_a_harness_whose_init_fails_gets_a_masked_first_turn_alone_for_nemo_rl(
+    env: SweEnvironment, mini_model: str, http: JsonHttp, tokenizer: Tokenizer
+) -> None:
+    """NeMo RL ends a training step on a result without generated tokens: a harness rollout that never started
+    (its forwarder could not run) comes back as an init failure with our loop's first turn alone, masked."""
+    assert env.task.harness is not None
+    calls = ModelCalls(http_poster(http, mini_model), "standin", tokenizer, SAMPLING)
+    harness = HarnessRunner(env.task.harness, calls, ProxyConfig(python="no-such-python3", forwarder_start_s=5))
+    generator = turn_generator("tokens", http_poster(http, mini_model), "standin", SAMPLING, tokenizer)
+    first = AgentLoop(generator, tool_call_format("codeact"), 1)
+    instance = load_instances(env.task.dataset, limit=1)[0]
+    rollout = Rollout(env=env, agent=harness, instance=instance, first_turn_agent=first)
+    (trajectory,) = await run_rollouts([rollout], PipelineConfig())
+    assert trajectory.critical_error == "init" and "forwarder" in (trajectory.error or ""), trajectory.error
+    (turn,) = trajectory.assistant_turns()
+    assert turn["mask"] and turn["first_turn_only"] and turn["generation_token_ids"]
+    assert trajectory.mask_reason() is not None and harness._proxy is None
 
 
 def running(command: list[str]) -> list[int]:
