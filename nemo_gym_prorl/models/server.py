@@ -8,10 +8,10 @@ Token information, by what the request asks for:
   the exact prefix of the new prompt (NeMo RL's ``required_prefix_token_ids``): a conversation's tokens never drift.
 
 ``/v1/completions`` streams with ``stream: true``: one token a chunk, its id and log-prob (the LLM pool's weight
-update cuts and re-issues such requests); a client that leaves stops the generation. Policy versions: a server started with ``--policy-version N`` stamps every generation with the version of the
-weights that made it (on the completions choice, the chat message and the top level). ``POST /policy/load
-{"gguf": path, "version": N}`` swaps weights: running generations finish on the old ones, later requests wait
-for the new. ``GET /policy`` says which weights serve.
+update cuts and re-issues such requests); a client that leaves stops the generation. Policy versions: a server
+started with ``--policy-version N`` stamps every generation with the version of the weights that made it (on the
+completions choice, the chat message and the top level). ``POST /policy/load {"gguf": path, "version": N}`` swaps
+weights: running generations finish on the old ones, later requests wait for the new. ``GET /policy`` says which.
 """
 
 from __future__ import annotations
@@ -223,7 +223,8 @@ def create_app(pool: EnginePool, served_model_name: str, load_engines: EngineLoa
         prompt = request.prompt if isinstance(request.prompt, list) else tokenizer.encode(request.prompt, add_bos=True)
         top = request.logprobs or 0
         if request.stream:
-            return StreamingResponse(_streamed(pool, list(prompt), request.sampling_params(0)), media_type="text/event-stream")
+            events = _streamed(pool, list(prompt), request.sampling_params(0))
+            return StreamingResponse(events, media_type="text/event-stream")
         gen = await pool.generate(list(prompt), request.sampling_params(top))
         choice: dict[str, Any] = {"index": 0, "text": gen.text, "finish_reason": gen.finish_reason, "logprobs": None}
         _stamp(choice, gen)
@@ -290,7 +291,8 @@ async def _streamed(pool: EnginePool, prompt: list[int], params: SamplingParams)
                 choice["policy_version"] = pool.policy_version
             yield _event({"object": "text_completion", "choices": [choice]})
         gen = generation.result()
-        yield _event({"object": "text_completion", "choices": [{"index": 0, "text": "", "finish_reason": gen.finish_reason}]})
+        last = {"index": 0, "text": "", "finish_reason": gen.finish_reason}
+        yield _event({"object": "text_completion", "choices": [last]})
         yield _event({"choices": [], "usage": _usage(gen)}) + b"data: [DONE]\n\n"
     finally:
         generation.cancel()
