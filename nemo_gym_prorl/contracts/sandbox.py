@@ -13,6 +13,7 @@ from typing import Protocol, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 WORKSPACE = "/workspace"
+IMAGE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"  # a sandbox's PATH unless its spec sets one
 """Where a sandbox's workspace is mounted unless its spec says otherwise (`SandboxSpec.workspace`)."""
 _RESERVED = ("/proc", "/dev", "/tmp", "/sys", "/.prorl")
 

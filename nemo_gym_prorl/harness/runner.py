@@ -17,7 +17,7 @@ import asyncio
 from pathlib import Path
 from typing import Any, ClassVar
 
-from nemo_gym_prorl.contracts.sandbox import BindMount, ExecResult, SandboxSpec
+from nemo_gym_prorl.contracts.sandbox import IMAGE_PATH, BindMount, ExecResult, SandboxSpec
 from nemo_gym_prorl.contracts.task import HarnessConfig, TaskInstance
 from nemo_gym_prorl.contracts.trajectory import RolloutFailed, Trajectory
 from nemo_gym_prorl.envs.base import Environment, Episode
@@ -29,7 +29,6 @@ from nemo_gym_prorl.sandbox.layers import BIN, SITE, build_npm_layer, build_pip_
 
 LAYER_MOUNT = "/.prorl-harness"  # the pip layer: its site/ on PYTHONPATH
 NPM_LAYER_MOUNT = "/.prorl-harness-npm"  # the npm layer: its bin/ (native commands) first on PATH
-IMAGE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"  # the sandboxes' PATH, unless set
 CONFIG_MOUNT = "/.prorl-harness-config"
 OUTPUT_TAIL = 2000  # characters of the harness's output kept in the error line of a failed run
 FORWARDER_MARGIN_S = 60.0  # the forwarder outlives the harness's own time limit by this much at most

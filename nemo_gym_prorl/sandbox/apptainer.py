@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_prorl.contracts.sandbox import ExecResult, SandboxError, SandboxSpec, with_note
+from nemo_gym_prorl.contracts.sandbox import IMAGE_PATH, ExecResult, SandboxError, SandboxSpec, with_note
 from nemo_gym_prorl.sandbox import disk, images, passwd, seccomp
 from nemo_gym_prorl.sandbox.apptainer_binary import find_apptainer
 from nemo_gym_prorl.sandbox.disk import SandboxDisk
@@ -49,7 +49,6 @@ SANDBOX_UID = 65534
 log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^prorl-(\d+)-(\d+)-[0-9a-f]{8}$")
-_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 _KEEP_CAPS = frozenset({"CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"})
 # Every capability Apptainer knows; an entering process drops all but _KEEP_CAPS (naming them is how Apptainer
 # takes a drop list; `--drop-caps ALL` would drop the ones we need for setpriv too).
@@ -448,7 +447,7 @@ class ApptainerSandbox(SandboxLifecycle):
         if self._as_root:
             values.pop("nproc", None)  # as uid 65534 in the host's user namespace it would count every sandbox
         argv += ["/usr/bin/prlimit", *(f"--{name}={soft}:{hard}" for name, (soft, hard) in values.items())]
-        env = {"PATH": _PATH, "HOME": self.spec.workspace, "LANG": "C.UTF-8", "TERM": "dumb", **self.spec.env}
+        env = {"PATH": IMAGE_PATH, "HOME": self.spec.workspace, "LANG": "C.UTF-8", "TERM": "dumb", **self.spec.env}
         argv += ["--", "/usr/bin/env", "-i", *(f"{key}={value}" for key, value in env.items())]
         return argv + program
 

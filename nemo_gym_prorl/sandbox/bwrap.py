@@ -29,6 +29,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from nemo_gym_prorl.contracts.sandbox import (
+    IMAGE_PATH,
     ExecResult,
     FileTooLargeError,
     NotARegularFileError,
@@ -65,7 +66,6 @@ CONTROL_DIR = "/.prorl"
 TEMP_PREFIX = CGROUP_PREFIX  # host temp dirs and cgroups share the name "prorl-sbx-*"
 _NOBODY = 65534
 _INNER_UID = 1000
-_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 _SHELL = ["/bin/bash", "--norc", "--noprofile", "--noediting", "-i"]
 _ETC_HIDDEN = (
     "shadow", "shadow-", "gshadow", "gshadow-", "ssh", "ssl/private", "sudoers", "sudoers.d", "security/opasswd",
@@ -414,7 +414,7 @@ class BwrapSandbox(SandboxLifecycle):
             current = os.path.dirname(current)
 
     def _env(self) -> dict[str, str]:
-        return {"PATH": _PATH, "HOME": self.spec.workspace, "LANG": "C.UTF-8", "TERM": "dumb", **self.spec.env}
+        return {"PATH": IMAGE_PATH, "HOME": self.spec.workspace, "LANG": "C.UTF-8", "TERM": "dumb", **self.spec.env}
 
     # -- exec and file I/O through the join helper -------------------------------------------------------------
 
@@ -606,7 +606,7 @@ class _BwrapLauncher(ShellLauncher):
     """
 
     def __init__(self, argv: list[str], setup: str, disk: SandboxDisk | None, disk_mount_point: Path) -> None:
-        super().__init__(argv, {"PATH": _PATH})
+        super().__init__(argv, {"PATH": IMAGE_PATH})
         self.setup = setup
         self._disk, self._disk_mount_point = disk, disk_mount_point
 
