@@ -13,8 +13,9 @@ from typing import Protocol, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 WORKSPACE = "/workspace"
-IMAGE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"  # a sandbox's PATH unless its spec sets one
 """Where a sandbox's workspace is mounted unless its spec says otherwise (`SandboxSpec.workspace`)."""
+IMAGE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
+"""A sandbox's PATH unless its spec's environment sets one."""
 _RESERVED = ("/proc", "/dev", "/tmp", "/sys", "/.prorl")
 
 
