@@ -10,5 +10,6 @@ setup:
 rollout: setup
 	.venv/bin/prorl rollout $(ARGS)
 
+# The tests run on two pytest-xdist workers (the CI machine's two cores); tests/conftest.py groups the files.
 test: setup
-	.venv/bin/python -X faulthandler -m pytest
+	.venv/bin/python -X faulthandler -m pytest --numprocesses=2 --dist=loadgroup

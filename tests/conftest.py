@@ -21,6 +21,40 @@ from nemo_gym_prorl.sandbox import images
 TEST_N_CTX = 2048
 REPO = Path(__file__).resolve().parents[1]
 
+# An address-less ray.init (NeMo Gym's head server makes one) joins any Ray it finds running on the machine: a test's
+# Gym env would join another test's Ray cluster, or a developer's. "local" makes each start a Ray of its own.
+os.environ.setdefault("RAY_ADDRESS", "local")
+
+# `make test` runs the suite on two pytest-xdist workers, one file to a worker at a time (a module's fixtures are set
+# up once). Files that must not run beside each other share a group: Ray and Slurm clusters (tests/cluster; NeMo RL's
+# handoff starts Ray), and what starts a harness proxy (the harness benchmark looks for any forwarder left running).
+SERIAL_GROUPS = {
+    "ray": ("tests/cluster/", "tests/recipes/test_nemo_rl_handoff.py"),
+    "harness": ("tests/harness/", "tests/bench/test_harness_benchmark.py"),
+}
+# The longest files and groups (minutes each on a 2-core machine) go first, so no worker is left with one at the end.
+LONGEST_FIRST = (
+    "tests/train/test_train.py", "ray", "tests/cli/test_cli.py", "tests/cli/test_code_and_stem_rollouts.py",
+    "tests/gym/test_gym_math_server.py", "harness", "tests/service/test_service_process.py",
+    "tests/sandbox/test_sandbox_leaks.py", "tests/gym/test_gym_service_agent.py", "tests/models/test_policy_reload.py",
+)  # fmt: skip
+
+
+def _group(item: pytest.Item) -> str:
+    path = item.nodeid.split("::")[0]
+    return next((name for name, prefixes in SERIAL_GROUPS.items() if path.startswith(prefixes)), path)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist (`--dist loadgroup`), each file or serial group is one unit of work, the longest queued first."""
+    if config.getoption("dist", "no") == "no":
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session")
 def model_server() -> Iterator[LocalModelServer]:

@@ -11,14 +11,13 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 from nemo_gym.base_resources_server import BaseVerifyResponse
-from sandbox_helpers import sandboxes_left
+from sandbox_helpers import sandbox_dirs_of, sandboxes_left
 from service_helpers import service, service_config
 from standin_helpers import ROW, SCRIPT
 
@@ -149,7 +148,6 @@ async def test_stage_deadline_ends_the_rollout_as_timeout(slow_model: str, tmp_p
 
 async def test_a_sandbox_killed_mid_run_ends_the_rollout_as_a_run_failure(tmp_path: Path) -> None:
     script = ["```bash\nsleep 600\n```", "\\boxed{42}"]
-    temp_dirs_before = set(Path(tempfile.gettempdir()).glob("prorl-sbx-*"))
     async with ModelServerProcess(standin_argv(script)) as model, service(model.base_url, tmp_path) as svc:
         async with RolloutClient(svc.url) as client:
             job_id = await client.submit(JobRequest(instance=ROW))
@@ -161,7 +159,7 @@ async def test_a_sandbox_killed_mid_run_ends_the_rollout_as_a_run_failure(tmp_pa
     (trajectory,) = view.results
     assert trajectory.critical_error == "run" and "the sandbox was killed" in trajectory.error
     assert trajectory.finish == "error" and trajectory.reward == 0.0
-    assert sandboxes_left() == [] and set(Path(tempfile.gettempdir()).glob("prorl-sbx-*")) == temp_dirs_before
+    assert sandboxes_left() == [] and sandbox_dirs_of(os.getpid()) == []
 
 
 @pytest.mark.parametrize(
