@@ -27,6 +27,7 @@ from nemo_gym_prorl.contracts.job import JobRequest
 from nemo_gym_prorl.contracts.responses import gym_output_items
 from nemo_gym_prorl.contracts.sampling import SamplingParams
 from nemo_gym_prorl.contracts.trajectory import Trajectory
+from nemo_gym_prorl.gym.rows import TASK_KEY
 from nemo_gym_prorl.service.app import bearer_guard
 from nemo_gym_prorl.service.orchestrator import Orchestrator, RejectedJob
 
@@ -40,7 +41,6 @@ _FAILURE_KINDS = {
 # Row keys that are Gym's bookkeeping, not task data. `responses_create_params` is task data: a Gym resources
 # server's task reads its prompt and tools there, and Gym's agents send it to /seed_session and /verify.
 _GYM_KEYS = {"agent_ref", "task_source", "_ng_rollout_id"}
-TASK_KEY = "prorl_task"  # not `task`: that is a column of some Gym datasets (iheval's verify dispatches on it)
 
 
 class GymRunRequest(BaseModel):

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from nemo_gym_prorl.contracts.task import TaskConfig, TaskInstance
 
 Split = Literal["train", "validation"]
-TASK_KEY = "prorl_task"  # the row's task, as the service's /run reads it
 AGENT_REF = "agent_ref"
 TASK_SOURCE = "task_source"
 
@@ -116,7 +115,7 @@ def nemo_rl_rows(request: ExportRequest) -> list[dict[str, Any]]:
 def _task_rows(task_name: str, request: ExportRequest) -> list[dict[str, Any]]:
     from nemo_gym_prorl.contracts.task import load_task
     from nemo_gym_prorl.envs import make_environment
-    from nemo_gym_prorl.gym.rows import INSTANCE_ID, gym_row
+    from nemo_gym_prorl.gym.rows import INSTANCE_ID, TASK_KEY, gym_row
 
     task = load_task(task_name)
     env = make_environment(task, sandbox_backend="bwrap")  # only renders prompts: starts no sandbox

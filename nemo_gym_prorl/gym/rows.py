@@ -21,6 +21,9 @@ from nemo_gym_prorl.envs import Environment, make_environment
 from nemo_gym_prorl.envs.dataset import load_instances
 
 INSTANCE_ID = "instance_id"
+# The service task a row belongs to, written by `prorl data export`, read by /run. Not `task`: that is a column of
+# some Gym datasets (iheval's verify dispatches on it).
+TASK_KEY = "prorl_task"
 # Keys Gym adds to or keeps on a row that are not the task's own columns (it prefixes its internal ones with "_").
 _GYM_KEYS = frozenset({"responses_create_params", "response", "agent_ref", "task_source", "skills_ref"})
 

@@ -20,7 +20,7 @@ from nemo_gym_prorl.contracts.job import JobRequest
 from nemo_gym_prorl.contracts.task import load_task
 from nemo_gym_prorl.contracts.trajectory import TOKEN_FIELDS, Trajectory
 from nemo_gym_prorl.envs.dataset import load_instances
-from nemo_gym_prorl.gym.agent_routes import TASK_KEY
+from nemo_gym_prorl.gym.rows import TASK_KEY
 from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceSettings
 from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.service.client import RolloutClient, ServiceError
