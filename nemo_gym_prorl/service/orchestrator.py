@@ -145,9 +145,7 @@ class Orchestrator:
 
     def submit(self, request: JobRequest) -> str:
         """Accept a job (durably) and start its rollouts; RejectedJob / JobConflict when it cannot be."""
-        env = self._env(request.task)
-        if env.task.harness is not None:
-            self._check_harness(env)
+        env = self._job_env(request.task)
         if request.n > self.max_n:
             raise RejectedJob("n", f"at most {self.max_n} samples per job, got {request.n}")
         instance = self._instance(env, request)
@@ -158,6 +156,13 @@ class Orchestrator:
             raise JobConflict(job_id) from None
         self._start(job_id, request, env, instance, range(request.n))
         return job_id
+
+    def _job_env(self, task: str | None) -> Environment:
+        """The env a job of `task` runs in, if this service can run it (a new job's or a recovered one's)."""
+        env = self._env(task)
+        if env.task.harness is not None:
+            self._check_harness(env)
+        return env
 
     def _check_harness(self, env: Environment) -> None:
         if self.remote is not None:
@@ -388,7 +393,7 @@ class Orchestrator:
             else:
                 try:
                     request = JobRequest.model_validate(job.request | {"job_id": job.job_id})
-                    env = self._env(request.task)
+                    env = self._job_env(request.task)
                     instance = self._instance(env, request)
                 except (ValidationError, RejectedJob) as e:
                     reason = f"the service restarted while this sample was in flight; its job cannot run here now: {e}"

@@ -24,6 +24,7 @@ from nemo_gym_prorl.gym.rows import TASK_KEY
 from nemo_gym_prorl.launch.runtime import ModelConfig, ServiceConfig, ServiceSettings
 from nemo_gym_prorl.launch.serve import run_service
 from nemo_gym_prorl.service.client import RolloutClient, ServiceError
+from nemo_gym_prorl.service.store import JobStore
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +93,13 @@ async def test_prorl_rollout_a_service_job_and_gyms_run_each_run_a_harness_task(
 async def test_a_service_without_the_policys_tokenizer_refuses_a_harness_job_naming_why(
     mini_model: str, tmp_path: Path
 ) -> None:
+    """A new job is refused; one the store holds from a service that could run it (recovered at start) fails."""
+    store = JobStore(tmp_path / "jobs.db")
+    try:
+        store.add_job("recovered", JobRequest(task=TASK, instance=row(), n=1).model_dump(mode="json"), 1)
+        store.set_state("recovered", "running")
+    finally:
+        store.close()
     config = ServiceConfig(
         service=ServiceSettings(port=0, tasks=[TASK], store=tmp_path / "jobs.db"),
         model=ModelConfig(kind="remote", addresses=[mini_model], served_model_name="standin", generation_mode="chat"),
@@ -99,5 +107,8 @@ async def test_a_service_without_the_policys_tokenizer_refuses_a_harness_job_nam
     async with run_service(config) as service, RolloutClient(service.url) as client:
         with pytest.raises(ServiceError) as refused:
             await client.submit(JobRequest(task=TASK, instance=row()))
+        recovered = await client.get("recovered")
+    assert recovered.state == "done" and [t.critical_error for t in recovered.results] == ["cancelled"]
+    assert "needs the policy's tokenizer" in recovered.results[0].error
     assert refused.value.status == 422 and refused.value.field == "task"
     assert "needs the policy's tokenizer: model.generation_mode=tokens" in str(refused.value)
