@@ -44,7 +44,7 @@ from nemo_gym_prorl.models.openai_api import (
     TokenizeRequest,
     error_body,
 )
-from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.models.tokenizer import StreamDecoder, Tokenizer
 from nemo_gym_prorl.tool_calls import parse_hermes
 
 READY_LINE = "PRORL_MODEL_SERVER_READY"
@@ -277,21 +277,17 @@ async def _streamed(pool: EnginePool, prompt: list[int], params: SamplingParams)
         pool.generate(prompt, params, lambda t, lp: loop.call_soon_threadsafe(tokens.put_nowait, (t, lp)))
     )
     generation.add_done_callback(lambda _: tokens.put_nowait(None))  # after every token the thread put
-    ids: list[int] = []
-    text = ""
+    text = StreamDecoder(pool.tokenizer)
     try:
         while (item := await tokens.get()) is not None:
             token, log_prob = item
-            ids.append(token)
-            now = pool.tokenizer.decode(ids)
-            choice = {"index": 0, "text": now[len(text) :], "token_ids": [token],
+            choice = {"index": 0, "text": text.push(token), "token_ids": [token],
                       "logprobs": {"token_logprobs": [log_prob]}, "finish_reason": None}  # fmt: skip
-            text = now
             if pool.policy_version is not None:  # no swap while this generation holds its engine
                 choice["policy_version"] = pool.policy_version
             yield _event({"object": "text_completion", "choices": [choice]})
         gen = generation.result()
-        last = {"index": 0, "text": "", "finish_reason": gen.finish_reason}
+        last = {"index": 0, "text": text.flush(), "finish_reason": gen.finish_reason}
         yield _event({"object": "text_completion", "choices": [last]})
         yield _event({"choices": [], "usage": _usage(gen)}) + b"data: [DONE]\n\n"
     finally:

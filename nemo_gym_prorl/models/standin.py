@@ -34,7 +34,7 @@ from fastapi.responses import StreamingResponse
 
 from nemo_gym_prorl.models.local_model import default_gguf
 from nemo_gym_prorl.models.server import READY_LINE
-from nemo_gym_prorl.models.tokenizer import Tokenizer
+from nemo_gym_prorl.models.tokenizer import StreamDecoder, Tokenizer
 from nemo_gym_prorl.tool_calls import parse_hermes
 
 
@@ -166,16 +166,16 @@ def create_standin_app(
         step_s = delay(seed, k) / len(reply)
 
         async def chunks() -> Any:
-            sent = done
+            sent, text = done, StreamDecoder(tokenizer, reply[:done])
             try:
                 async with gate or contextlib.nullcontext():
                     for i in range(done, len(reply)):
                         if step_s:
                             await asyncio.sleep(step_s)
-                        text = tokenizer.decode(reply[: i + 1])[len(tokenizer.decode(reply[:i])) :]
                         finish = "stop" if i == len(reply) - 1 else None
+                        piece = text.push(reply[i]) + (text.flush() if finish else "")
                         lp = {"token_logprobs": [-0.1]}
-                        choice = {"index": 0, "text": text, "token_ids": [reply[i]], "logprobs": lp, "finish_reason": finish}
+                        choice = {"index": 0, "text": piece, "token_ids": [reply[i]], "logprobs": lp, "finish_reason": finish}
                         yield b"data: " + orjson.dumps({"object": "text_completion", "choices": [choice]}) + b"\n\n"
                         sent = i + 1
                 usage = {"usage": usage_of(prompt, reply[done:])}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from pathlib import Path
 
 import llama_cpp
@@ -71,3 +72,38 @@ class Tokenizer:
     def generation_end(self, generated: list[int]) -> str:
         """The text of the end-of-generation token `generated` ends with; "" when it ends otherwise (cut)."""
         return self.piece(generated[-1]) if generated and self.is_end_of_generation(generated[-1]) else ""
+
+
+class StreamDecoder:
+    """The text of tokens that arrive one at a time, each piece given once.
+
+    As vLLM's incremental detokenizer: a token's piece is the decoding of a short window ending at it less that of
+    the window before it (a tokenizer that drops a text's leading space still gives each piece its own), and a
+    piece that ends in an incomplete UTF-8 character waits for the token that completes it. Linear in the text's
+    length; decoding everything so far for each token is quadratic, and gives a character split over two tokens
+    as U+FFFD followed by nothing. `context`: tokens whose text was given already (a generation resumed)."""
+
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()) -> None:
+        self._decode = tokenizer.decode
+        self._window = list(context[-_CONTEXT_TOKENS:])  # the last piece's tokens and those since
+        self._given = len(self._window)  # the window's first tokens, whose text was given
+
+    def push(self, token: int) -> str:
+        self._window.append(token)
+        return self._piece(final=False)
+
+    def flush(self) -> str:
+        """What is still held back (the incomplete character a cut generation ends with, as U+FFFD)."""
+        return self._piece(final=True)
+
+    def _piece(self, *, final: bool) -> str:
+        given = self._decode(self._window[: self._given])
+        text = self._decode(self._window)
+        if len(text) <= len(given) or (text.endswith("\ufffd") and not final):
+            return ""
+        del self._window[: self._given]
+        self._given = len(self._window)
+        return text[len(given) :]
+
+
+_CONTEXT_TOKENS = 4
