@@ -12,4 +12,4 @@ rollout: setup
 
 # The tests run on two pytest-xdist workers (the CI machine's two cores); tests/conftest.py groups the files.
 test: setup
-	.venv/bin/python -X faulthandler -m pytest --numprocesses=2 --dist=loadgroup
+	.venv/bin/python -X faulthandler -m pytest --numprocesses=2 --dist=loadscope

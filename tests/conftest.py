@@ -40,20 +40,31 @@ LONGEST_FIRST = (
 )  # fmt: skip
 
 
-def _group(item: pytest.Item) -> str:
-    path = item.nodeid.split("::")[0]
+def _group(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
     return next((name for name, prefixes in SERIAL_GROUPS.items() if path.startswith(prefixes)), path)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Each file or serial group is one unit of work, handed out in collection order. (xdist's own `loadgroup`
+    cannot do it on pytest 9, which ignores the node id suffix that it groups by.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    config.option.loadscopereorder = False  # keep our order, not xdist's (most tests first)
+    return FileGroups(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist (`--dist loadgroup`), each file or serial group is one unit of work, the longest queued first."""
-    if config.getoption("dist", "no") == "no":
+    """On an xdist worker (whose collection order is the order work is handed out), the longest units first."""
+    if not hasattr(config, "workerinput"):
         return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: the rest keep their order
+    items.sort(key=lambda item: rank.get(_group(item.nodeid), len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")
