@@ -10,6 +10,5 @@ setup:
 rollout: setup
 	.venv/bin/prorl rollout $(ARGS)
 
-# The tests run on two pytest-xdist workers (the CI machine's two cores); tests/conftest.py groups the files.
 test: setup
-	.venv/bin/python -X faulthandler -m pytest --numprocesses=2 --dist=loadscope
+	.venv/bin/python -X faulthandler -m pytest

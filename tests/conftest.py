@@ -21,11 +21,8 @@ from nemo_gym_prorl.sandbox import images
 TEST_N_CTX = 2048
 REPO = Path(__file__).resolve().parents[1]
 
-# An address-less ray.init (NeMo Gym's head server makes one) joins any Ray it finds running on the machine: a test's
-# Gym env would join another test's Ray cluster, or a developer's. "local" makes each start a Ray of its own.
-os.environ.setdefault("RAY_ADDRESS", "local")
-
-# `make test` runs the suite on two pytest-xdist workers, one file to a worker at a time (a module's fixtures are set
+# `pytest -n 2 --dist loadscope` runs the suite on two pytest-xdist workers (`make test` stays serial until a whole
+# parallel run has passed), one file to a worker at a time (a module's fixtures are set
 # up once). Files that must not run beside each other share a group: Ray and Slurm clusters (tests/cluster; NeMo RL's
 # handoff starts Ray), and what starts a harness proxy (the harness benchmark looks for any forwarder left running).
 SERIAL_GROUPS = {
