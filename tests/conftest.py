@@ -22,9 +22,9 @@ TEST_N_CTX = 2048
 REPO = Path(__file__).resolve().parents[1]
 
 # `pytest -n 2 --dist loadscope` runs the suite on two pytest-xdist workers (`make test` stays serial until a whole
-# parallel run has passed), one file to a worker at a time (a module's fixtures are set
-# up once). Files that must not run beside each other share a group: Ray and Slurm clusters (tests/cluster; NeMo RL's
-# handoff starts Ray), and what starts a harness proxy (the harness benchmark looks for any forwarder left running).
+# parallel run has passed), one file to a worker at a time (a module's fixtures are set up once). Files that must not
+# run beside each other share a group: Ray and Slurm clusters (tests/cluster; NeMo RL's handoff starts Ray), and what
+# starts a harness proxy (the harness benchmark looks for any forwarder left running).
 SERIAL_GROUPS = {
     "ray": ("tests/cluster/", "tests/recipes/test_nemo_rl_handoff.py"),
     "harness": ("tests/harness/", "tests/bench/test_harness_benchmark.py"),

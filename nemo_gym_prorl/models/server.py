@@ -277,17 +277,17 @@ async def _streamed(pool: EnginePool, prompt: list[int], params: SamplingParams)
         pool.generate(prompt, params, lambda t, lp: loop.call_soon_threadsafe(tokens.put_nowait, (t, lp)))
     )
     generation.add_done_callback(lambda _: tokens.put_nowait(None))  # after every token the thread put
-    text = StreamDecoder(pool.tokenizer)
+    decoder = StreamDecoder(pool.tokenizer)
     try:
         while (item := await tokens.get()) is not None:
             token, log_prob = item
-            choice = {"index": 0, "text": text.push(token), "token_ids": [token],
+            choice = {"index": 0, "text": decoder.push(token), "token_ids": [token],
                       "logprobs": {"token_logprobs": [log_prob]}, "finish_reason": None}  # fmt: skip
             if pool.policy_version is not None:  # no swap while this generation holds its engine
                 choice["policy_version"] = pool.policy_version
             yield _event({"object": "text_completion", "choices": [choice]})
         gen = generation.result()
-        last = {"index": 0, "text": text.flush(), "finish_reason": gen.finish_reason}
+        last = {"index": 0, "text": decoder.flush(), "finish_reason": gen.finish_reason}
         yield _event({"object": "text_completion", "choices": [last]})
         yield _event({"choices": [], "usage": _usage(gen)}) + b"data: [DONE]\n\n"
     finally:

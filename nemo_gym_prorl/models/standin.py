@@ -166,14 +166,14 @@ def create_standin_app(
         step_s = delay(seed, k) / len(reply)
 
         async def chunks() -> Any:
-            sent, text = done, StreamDecoder(tokenizer, reply[:done])
+            sent, decoder = done, StreamDecoder(tokenizer, reply[:done])
             try:
                 async with gate or contextlib.nullcontext():
                     for i in range(done, len(reply)):
                         if step_s:
                             await asyncio.sleep(step_s)
                         finish = "stop" if i == len(reply) - 1 else None
-                        piece = text.push(reply[i]) + (text.flush() if finish else "")
+                        piece = decoder.push(reply[i]) + (decoder.flush() if finish else "")
                         lp = {"token_logprobs": [-0.1]}
                         choice = {"index": 0, "text": piece, "token_ids": [reply[i]], "logprobs": lp, "finish_reason": finish}
                         yield b"data: " + orjson.dumps({"object": "text_completion", "choices": [choice]}) + b"\n\n"

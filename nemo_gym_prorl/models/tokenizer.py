@@ -74,6 +74,9 @@ class Tokenizer:
         return self.piece(generated[-1]) if generated and self.is_end_of_generation(generated[-1]) else ""
 
 
+_CONTEXT_TOKENS = 4  # of a resumed stream's given tokens, decoded with its first piece (which keeps its leading space)
+
+
 class StreamDecoder:
     """The text of tokens that arrive one at a time, each piece given once.
 
@@ -105,5 +108,3 @@ class StreamDecoder:
         self._given = len(self._window)
         return text[len(given) :]
 
-
-_CONTEXT_TOKENS = 4

@@ -160,17 +160,15 @@ class Orchestrator:
     def _job_env(self, task: str | None) -> Environment:
         """The env a job of `task` runs in, if this service can run it (a new job's or a recovered one's)."""
         env = self._env(task)
-        if env.task.harness is not None:
-            self._check_harness(env)
-        return env
-
-    def _check_harness(self, env: Environment) -> None:
+        if env.task.harness is None:
+            return env
         if self.remote is not None:
             raise RejectedJob("task", f"{env.task.name} runs a harness, which runs in the service's own process, "
                               "not on the Ray cluster this service uses (cluster.ray)")  # fmt: skip
         if self.tokenizer is None:
             raise RejectedJob("task", f"{env.task.name} runs a harness: its model proxy renders each call's prompt "
                               "itself and needs the policy's tokenizer: model.generation_mode=tokens")  # fmt: skip
+        return env
 
     def _env(self, task: str | None) -> Environment:
         if task is None:
