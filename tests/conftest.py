@@ -21,6 +21,10 @@ from nemo_gym_prorl.sandbox import images
 TEST_N_CTX = 2048
 REPO = Path(__file__).resolve().parents[1]
 
+# NeMo Gym's head server calls `ray.init()` with no address, and Ray then joins any Ray running on the machine (with
+# two workers, another test's cluster): "local" gives each its own (ray/_private/services.py, RAY_ADDRESS first).
+os.environ.setdefault("RAY_ADDRESS", "local")
+
 # `pytest -n 2 --dist loadscope` runs the suite on two pytest-xdist workers (`make test` stays serial until a whole
 # parallel run has passed), one file to a worker at a time (a module's fixtures are set up once). Files that must not
 # run beside each other share a group: Ray and Slurm clusters (tests/cluster; NeMo RL's handoff starts Ray), and what
