@@ -40,7 +40,7 @@ _FAILURE_KINDS = {
 }
 # Row keys that are Gym's bookkeeping, not task data. `responses_create_params` is task data: a Gym resources
 # server's task reads its prompt and tools there, and Gym's agents send it to /seed_session and /verify.
-_GYM_KEYS = {"agent_ref", "task_source", "_ng_rollout_id"}
+_BOOKKEEPING_KEYS = {"agent_ref", "task_source", "_ng_rollout_id"}
 
 
 class GymRunRequest(BaseModel):
@@ -130,7 +130,7 @@ async def run_row(orchestrator: Orchestrator, row: GymRunRequest) -> dict[str, A
     """One Gym row as one rollout; its verify response. It asks for ``first_turn_fallback``: a rollout that ends
     before the model's first turn comes back with that turn generated alone and masked, since a result without
     generated tokens would end NeMo RL's training step."""
-    instance = {k: v for k, v in row.model_dump(exclude={TASK_KEY}).items() if k not in _GYM_KEYS}
+    instance = {k: v for k, v in row.model_dump(exclude={TASK_KEY}).items() if k not in _BOOKKEEPING_KEYS}
     request = JobRequest(
         task=row.prorl_task, instance=instance, sampling_params=row_sampling(row.responses_create_params),
         first_turn_fallback=True,

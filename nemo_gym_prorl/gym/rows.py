@@ -24,8 +24,8 @@ INSTANCE_ID = "instance_id"
 # The service task a row belongs to, written by `prorl data export`, read by /run. Not `task`: that is a column of
 # some Gym datasets (iheval's verify dispatches on it).
 TASK_KEY = "prorl_task"
-# Keys Gym adds to or keeps on a row that are not the task's own columns (it prefixes its internal ones with "_").
-_GYM_KEYS = frozenset({"responses_create_params", "response", "agent_ref", "task_source", "skills_ref"})
+# Keys Gym adds to or keeps on a row, which no task column may take (Gym prefixes its internal ones with "_").
+_RESERVED_KEYS = frozenset({"responses_create_params", "response", "agent_ref", "task_source", "skills_ref"})
 
 
 def responses_tool(schema: Mapping[str, Any]) -> dict[str, Any]:
@@ -41,7 +41,7 @@ def responses_tool(schema: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def gym_row(env: Environment, instance: TaskInstance) -> dict[str, Any]:
-    clash = (_GYM_KEYS | {INSTANCE_ID}) & instance.data.keys()
+    clash = (_RESERVED_KEYS | {INSTANCE_ID}) & instance.data.keys()
     if clash:
         raise ValueError(f"instance {instance.instance_id}: dataset columns {sorted(clash)} clash with Gym row keys")
     return {
