@@ -3,9 +3,10 @@
 Both sides run the same 3-tool-call task against the same processes: one Gym resources server (`prorl_bench`, one
 uvicorn worker per core) and one instant stand-in model. The sides: the service in-process, the service on Ray
 (`ray.local_workers` = one per core) and `gym eval run` through simple_agent. The resources server times the rollout
-phase; orchestrator CPU per rollout is sampled per process. Each service side runs before and after Gym at each
-concurrency, so the machine's drift cancels; rewards and tool calls are checked equal. The last line is the
-headline: the Ray path's throughput over Gym's at each concurrency.
+phase; orchestrator CPU per rollout is sampled per process. At each concurrency the three sides take turns over
+several rounds, each side in each place of the order in turn, so the machine's drift lands on all of them; rewards
+and tool calls are checked equal. The last line is the headline: the Ray path's throughput over Gym's, the median
+over rounds of the ratio within a round, with its range.
 
 Design notes: docs/benchmarks.md#benchthroughputpy
 """
@@ -15,12 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
+import operator
 import os
+import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -268,7 +272,8 @@ async def run_service_side(
     before = _tree(os.getpid())
     async with run_service(config) as service:
         if ray is not None:  # the local Ray it started: GCS, raylet, the worker actors
-            sampler.watch("ray", *(_tree(os.getpid()) - before), tree=False)
+            for role, pids in _ray_roles(_tree(os.getpid()) - before).items():
+                sampler.watch(role, *pids, tree=False)
         await resources.reset()
         # The whole batch at once, as a trainer hands it over. The results are durable, so waiting on the jobs in
         # turn (one stream at a time, on a connection of its own) misses nothing. (A connection the submitting
@@ -282,6 +287,26 @@ async def run_service_side(
     return await _side_result(side, concurrency, stats, sampler, trajectories_summary(trajectories))
 
 
+RAY_ROLES = ("ray workers", "ray gcs+raylet", "ray other")
+
+
+def _ray_roles(pids: Iterable[int]) -> dict[str, list[int]]:
+    """A local Ray's processes by what they do: the rollout worker actors (`ray::RolloutWorker`), the GCS and the
+    raylet, and the rest (dashboard and runtime-env agents, idle pre-started workers, log monitors)."""
+    roles: dict[str, list[int]] = {role: [] for role in RAY_ROLES}
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            title = " ".join(proc.cmdline()) or proc.name()
+            if "RolloutWorker" in title:
+                roles["ray workers"].append(pid)
+            elif proc.name() in ("gcs_server", "raylet"):
+                roles["ray gcs+raylet"].append(pid)
+            else:
+                roles["ray other"].append(pid)
+    return roles
+
+
 Outcome = tuple[int, int, Counter[tuple[float, int]], list[str]]  # rollouts, ok, verdicts, errors
 
 
@@ -293,9 +318,9 @@ def trajectories_summary(trajectories: list[Trajectory]) -> Outcome:
 
 async def run_gym_side(
     env: GymEnv, resources: ResourcesServerStats, rows_path: Path, n_rows: int, group: int, concurrency: int,
-    sampler: CpuSampler, environ: dict[str, str], tmp: Path,
+    sampler: CpuSampler, environ: dict[str, str], tmp: Path, run: str,
 ) -> SideResult:  # fmt: skip
-    output = tmp / f"gym-{concurrency}" / "rollouts.jsonl"
+    output = tmp / f"gym-{concurrency}-{run}" / "rollouts.jsonl"
     await resources.reset()
     args = [
         "eval", "run", "--no-serve", "--agent", GYM_AGENT, "--input", str(rows_path), "--output", str(output),
@@ -337,7 +362,7 @@ GYM_ORCHESTRATOR_ROLES = ("gym collector", "gym environment server", "gym simple
 
 
 def orchestrator_cpu_ms(result: SideResult) -> float:
-    roles = {"service": ("service",), "ray": ("service", "ray")}.get(result.side, GYM_ORCHESTRATOR_ROLES)
+    roles = {"service": ("service",), "ray": ("service", *RAY_ROLES)}.get(result.side, GYM_ORCHESTRATOR_ROLES)
     return sum(result.cpu_ms_per_rollout(role) for role in roles)
 
 
@@ -358,20 +383,39 @@ def check_same_work(ours: SideResult, gym: SideResult) -> list[str]:
     return problems
 
 
-def report_level(ours: SideResult, ray: SideResult, gym: SideResult) -> str:
-    lines = [
-        f"concurrency {ours.concurrency}: {gym.rollouts} rollouts by Gym, as many by each service side before and "
-        "after"
-    ]
+SIDES = ("service", "ray", "gym")
+Round = dict[str, SideResult]  # side -> its run in one round
+
+
+def spread(values: Sequence[float], unit: str = "") -> str:
+    """Median (min–max) of `values`."""
+    return f"{statistics.median(values):.2f}{unit} ({min(values):.2f}–{max(values):.2f})"
+
+
+def ray_ratios(rounds: Sequence[Round]) -> list[float]:
+    """The Ray path's rollouts/s over Gym's, within each round (both ran minutes apart at most)."""
+    return [r["ray"].rollouts_per_s / r["gym"].rollouts_per_s for r in rounds]
+
+
+def report_level(rounds: Sequence[Round]) -> str:
+    total = {side: functools.reduce(operator.add, (r[side] for r in rounds)) for side in SIDES}
+    ours, ray, gym = (total[side] for side in SIDES)
+    head = (
+        f"concurrency {ours.concurrency}: {len(rounds)} rounds of {rounds[0]['gym'].rollouts} rollouts by each side; "
+        "rollouts/s as median (min–max) over rounds, CPU over all rounds"
+    )
+    lines = [head]
     for r in (ours, ray, gym):
         cpu = {role: r.cpu_ms_per_rollout(role) for role in ("model", "resources server", "other gym processes")}
         lines.append(
-            f"  {r.side:8s} {r.rollouts_per_s:7.1f} rollouts/s  phase {r.phase_s:6.2f} s  "
+            f"  {r.side:8s} {spread([one[r.side].rollouts_per_s for one in rounds])} rollouts/s  "
             f"orchestrator CPU {orchestrator_cpu_ms(r):6.1f} ms/rollout  (model {cpu['model']:.1f}, "
             f"resources server {cpu['resources server']:.1f}, other {cpu['other gym processes']:.1f}; "
             f"all {r.all_cpu_ms_per_rollout:.1f})  "
             f"ok {r.ok}/{r.rollouts}, (reward, session tool calls) {dict(sorted(r.verdicts.items()))}"
         )
+    parts = ", ".join(f"{role} {ray.cpu_ms_per_rollout(role):.1f}" for role in ("service", *RAY_ROLES))
+    lines.append(f"  ray orchestrator CPU by process (ms/rollout): {parts}")
     gym_parts = ", ".join(
         f"{role.removeprefix('gym ')} {gym.cpu_ms_per_rollout(role):.1f}" for role in GYM_ORCHESTRATOR_ROLES
     )
@@ -384,9 +428,10 @@ def report_level(ours: SideResult, ray: SideResult, gym: SideResult) -> str:
         f"  CPU per rollout, all processes: gym/service {gym_all / ours_all:.2f}x, gym/ray {gym_all / ray_all:.2f}x; "
         f"ceiling with a zero-CPU orchestrator on our side: {gym_all / shared:.2f}x"
     )
+    in_process = [r["service"].rollouts_per_s / r["gym"].rollouts_per_s for r in rounds]
     lines.append(
-        f"  ratio: service {ours.rollouts_per_s / gym.rollouts_per_s:.2f}x, "
-        f"ray {ray.rollouts_per_s / gym.rollouts_per_s:.2f}x rollouts/s over gym"
+        f"  ratio within a round: service {spread(in_process, 'x')}, ray {spread(ray_ratios(rounds), 'x')} "
+        "rollouts/s over gym"
     )
     return "\n".join(lines)
 
@@ -402,6 +447,7 @@ class Plan:
     resources_workers: int
     ray_workers: int
     ray_object_store_mb: int
+    rounds: int
 
     def rollouts(self, concurrency: int) -> int:
         """Per side at `concurrency`: enough that the ramp up and down stays a small part of the phase."""
@@ -434,40 +480,44 @@ async def _run(plan: Plan) -> None:
                 resources = ResourcesServerStats(env.servers[RESOURCES_SERVER]["url"])
                 print(f"gym env up: {', '.join(env.servers)}; stand-in model at {model.base_url}", flush=True)
 
-                async def level(concurrency: int, rollouts: int) -> tuple[SideResult, SideResult, SideResult]:
-                    """Service, Ray, Gym, Ray, service: the machine's speed drifts over minutes, and each service
-                    side's two runs are centred on Gym's in time."""
+                async def level(concurrency: int, rollouts: int, rounds: int) -> list[Round]:
+                    """`rounds` runs of each side, the order turning by one each round: the machine's speed
+                    drifts over minutes, and no side always runs first or last."""
                     group = plan.group
                     n_rows = max(1, rollouts // group)
                     rows = [bench_row(i) for i in range(n_rows)]
                     rows_path = write_jsonl(tmp / f"rows-{concurrency}.jsonl", rows)
                     task_yaml = gym_task_yaml(tmp / f"task-{concurrency}.yaml", rows_path, resources.url)
+                    ray = RaySettings(local_workers=plan.ray_workers, object_store_mb=plan.ray_object_store_mb)
 
-                    async def ours(run: str, ray: RaySettings | None = None) -> SideResult:
+                    async def run_side(side: str, run: str) -> SideResult:
+                        if side == "gym":
+                            return await run_gym_side(
+                                env, resources, rows_path, n_rows, group, concurrency, sampler, environ, tmp, run
+                            )
                         return await run_service_side(
                             model.base_url, resources, task_yaml, rows, group, concurrency, sampler,
-                            tmp / f"jobs-{concurrency}-{run}.db", ray,
+                            tmp / f"jobs-{concurrency}-{side}-{run}.db", ray if side == "ray" else None,
                         )
 
-                    ray = RaySettings(local_workers=plan.ray_workers, object_store_mb=plan.ray_object_store_mb)
-                    before, ray_before = await ours("service-1"), await ours("ray-1", ray)
-                    gym = await run_gym_side(
-                        env, resources, rows_path, n_rows, group, concurrency, sampler, environ, tmp
-                    )
-                    ray_after, after = await ours("ray-2", ray), await ours("service-2")
-                    problems = [p for r in (before, ray_before, ray_after, after) for p in check_same_work(r, gym)]
-                    if problems:
-                        raise SystemExit("throughput: the sides did not do the same work:\n" + "\n".join(problems))
-                    return before + after, ray_before + ray_after, gym
+                    results = []
+                    for i in range(rounds):
+                        order = SIDES[i % len(SIDES) :] + SIDES[: i % len(SIDES)]
+                        one = {side: await run_side(side, str(i)) for side in order}
+                        problems = [p for side in ("service", "ray") for p in check_same_work(one[side], one["gym"])]
+                        if problems:
+                            raise SystemExit("throughput: the sides did not do the same work:\n" + "\n".join(problems))
+                        results.append(one)
+                    return results
 
                 if plan.warmup:  # first requests pay for imports, connections and caches on both sides
-                    ours, on_ray, gym = await level(plan.warmup, plan.rollouts_per_slot * plan.warmup)
-                    rates = f"service {ours.rollouts_per_s:.1f}/s, ray {on_ray.rollouts_per_s:.1f}/s, gym {gym.rollouts_per_s:.1f}/s"
+                    (warm,) = await level(plan.warmup, plan.rollouts_per_slot * plan.warmup, rounds=1)
+                    rates = ", ".join(f"{side} {warm[side].rollouts_per_s:.1f}/s" for side in SIDES)
                     print(f"warm-up at concurrency {plan.warmup} (not reported): {rates}", flush=True)
-                results = []
+                results: list[list[Round]] = []
                 for concurrency in plan.levels:
-                    results.append(await level(concurrency, plan.rollouts(concurrency)))
-                    print(report_level(*results[-1]), flush=True)
+                    results.append(await level(concurrency, plan.rollouts(concurrency), plan.rounds))
+                    print(report_level(results[-1]), flush=True)
 
     print(
         "definitions: rollouts/s = rollouts / rollout phase (the resources server's first /seed_session to the end of "
@@ -475,15 +525,21 @@ async def _run(plan: Plan) -> None:
         "(service: this process, the service and its client; ray: that + the local Ray's processes; gym: eval-run "
         "collector + environment server + simple_agent + vllm_model)"
     )
-    ratios = ", ".join(f"{r.rollouts_per_s / g.rollouts_per_s:.2f}x at {r.concurrency}" for _, r, g in results)
-    in_process = ", ".join(f"{o.rollouts_per_s / g.rollouts_per_s:.2f}x" for o, _, g in results)
-    overhead = ", ".join(f"{orchestrator_cpu_ms(r):.1f} vs {orchestrator_cpu_ms(g):.1f} ms" for _, r, g in results)
-    worst = min(r.rollouts_per_s / g.rollouts_per_s for _, r, g in results)
+    ratios = ", ".join(f"{spread(ray_ratios(rounds), 'x')} at {rounds[0]['ray'].concurrency}" for rounds in results)
+    in_process = ", ".join(
+        f"{statistics.median(r['service'].rollouts_per_s / r['gym'].rollouts_per_s for r in rounds):.2f}x"
+        for rounds in results
+    )
+    worst = min(statistics.median(ray_ratios(rounds)) for rounds in results)
     print(
         f"throughput: service on Ray ({plan.ray_workers} workers, one per core) vs Gym simple_agent on the same "
-        f"resources server and model: {ratios} (min {worst:.2f}x, goal 3x; in-process service {in_process}; "
-        f"orchestrator CPU per rollout, ray vs gym: {overhead})"
+        f"resources server and model, median (min–max) over {plan.rounds} rounds: {ratios} (worst median "
+        f"{worst:.2f}x, goal 3x; in-process service {in_process}); machine load {_load()}"
     )
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def _tree(pid: int) -> set[int]:
@@ -510,5 +566,6 @@ def main(argv: list[str]) -> None:
         "--ray-workers", type=int, default=os.cpu_count() or 1, help="Ray side: worker actors (default: one per core)"
     )
     parser.add_argument("--ray-object-store-mb", type=int, default=128, help="Ray side: the local object store")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each side per level, in turns")
     args = parser.parse_args(argv)
     asyncio.run(_run(Plan(**vars(args))))
