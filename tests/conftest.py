@@ -25,10 +25,11 @@ REPO = Path(__file__).resolve().parents[1]
 # two workers, another test's cluster): "local" gives each its own (ray/_private/services.py, RAY_ADDRESS first).
 os.environ.setdefault("RAY_ADDRESS", "local")
 
-# `pytest -n 2 --dist loadscope` runs the suite on two pytest-xdist workers (`make test` stays serial until a whole
-# parallel run has passed), one file to a worker at a time (a module's fixtures are set up once). Files that must not
-# run beside each other share a group: Ray and Slurm clusters (tests/cluster; NeMo RL's handoff starts Ray), and what
-# starts a harness proxy (the harness benchmark looks for any forwarder left running).
+# `pytest -n N --dist loadscope` runs the suite on N pytest-xdist workers, one file to a worker at a time (a module's
+# fixtures are set up once). `make test` is serial: on 2 cores two workers saved 5 of 68 min and starved timing
+# checks (Ray worker pings, stop deadlines). Files that must not run beside each other share a group: Ray and Slurm
+# clusters (tests/cluster; NeMo RL's handoff starts Ray), and what starts a harness proxy (the harness benchmark
+# looks for any forwarder left running).
 SERIAL_GROUPS = {
     "ray": ("tests/cluster/", "tests/recipes/test_nemo_rl_handoff.py"),
     "harness": ("tests/harness/", "tests/bench/test_harness_benchmark.py"),

@@ -392,9 +392,9 @@ def spread(values: Sequence[float], unit: str = "") -> str:
     return f"{statistics.median(values):.2f}{unit} ({min(values):.2f}–{max(values):.2f})"
 
 
-def ray_ratios(rounds: Sequence[Round]) -> list[float]:
-    """The Ray path's rollouts/s over Gym's, within each round (both ran minutes apart at most)."""
-    return [r["ray"].rollouts_per_s / r["gym"].rollouts_per_s for r in rounds]
+def ratios(rounds: Sequence[Round], side: str) -> list[float]:
+    """`side`'s rollouts/s over Gym's, within each round (both ran minutes apart at most)."""
+    return [r[side].rollouts_per_s / r["gym"].rollouts_per_s for r in rounds]
 
 
 def report_level(rounds: Sequence[Round]) -> str:
@@ -428,11 +428,8 @@ def report_level(rounds: Sequence[Round]) -> str:
         f"  CPU per rollout, all processes: gym/service {gym_all / ours_all:.2f}x, gym/ray {gym_all / ray_all:.2f}x; "
         f"ceiling with a zero-CPU orchestrator on our side: {gym_all / shared:.2f}x"
     )
-    in_process = [r["service"].rollouts_per_s / r["gym"].rollouts_per_s for r in rounds]
-    lines.append(
-        f"  ratio within a round: service {spread(in_process, 'x')}, ray {spread(ray_ratios(rounds), 'x')} "
-        "rollouts/s over gym"
-    )
+    service, ray_ratio = (spread(ratios(rounds, side), "x") for side in ("service", "ray"))
+    lines.append(f"  ratio within a round: service {service}, ray {ray_ratio} rollouts/s over gym")
     return "\n".join(lines)
 
 
@@ -525,15 +522,12 @@ async def _run(plan: Plan) -> None:
         "(service: this process, the service and its client; ray: that + the local Ray's processes; gym: eval-run "
         "collector + environment server + simple_agent + vllm_model)"
     )
-    ratios = ", ".join(f"{spread(ray_ratios(rounds), 'x')} at {rounds[0]['ray'].concurrency}" for rounds in results)
-    in_process = ", ".join(
-        f"{statistics.median(r['service'].rollouts_per_s / r['gym'].rollouts_per_s for r in rounds):.2f}x"
-        for rounds in results
-    )
-    worst = min(statistics.median(ray_ratios(rounds)) for rounds in results)
+    on_ray = ", ".join(f"{spread(ratios(rounds, 'ray'), 'x')} at {rounds[0]['ray'].concurrency}" for rounds in results)
+    in_process = ", ".join(f"{statistics.median(ratios(rounds, 'service')):.2f}x" for rounds in results)
+    worst = min(statistics.median(ratios(rounds, "ray")) for rounds in results)
     print(
         f"throughput: service on Ray ({plan.ray_workers} workers, one per core) vs Gym simple_agent on the same "
-        f"resources server and model, median (min–max) over {plan.rounds} rounds: {ratios} (worst median "
+        f"resources server and model, median (min–max) over {plan.rounds} rounds: {on_ray} (worst median "
         f"{worst:.2f}x, goal 3x; in-process service {in_process}); machine load {_load()}"
     )
 
